@@ -1,0 +1,215 @@
+"""The wrapper around SGLang's ``_fused_moe_kernel_sequence`` and its install and removal.
+
+Why it exists: when a tuned down-projection config says ``USE_TMA``, SGLang 0.5.11-0.5.16 lay the
+intermediate MoE buffers out expert-sorted and block-padded, while the LoRA hooks
+(``hooks.after_gate_up``, ``hooks.after_down``) read and write them as route-major
+``(num_tokens, topk, N)``. The hooks then touch the wrong rows. ``down_moe_use_tma`` decides that
+layout at the top of the function, so calling it with the flag False is the whole fix, the same
+one SGLang 0.5.17 applies inside the function.
+
+What it does not do: calls without hooks keep TMA, and nothing else about a call changes.
+
+The replacement is a plain ``functools.wraps`` closure, installed and removed with wrapt's
+``wrap_object`` / ``unwrap_object``: TorchDynamo traces a plain function like any other, whereas a
+wrapt ``FunctionWrapper`` in the same place is skipped by it without a word, and a guard that a
+compiled caller does not run guards nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+from dataclasses import asdict, dataclass
+
+import wrapt
+
+from .inspection import (
+    TARGET,
+    TARGET_MODULE,
+    TARGET_NAME,
+    Inspection,
+    Strategy,
+    inspect_target,
+    sglang_version,
+    version_note,
+)
+
+logger = logging.getLogger("sglang_lora_tma_guard")
+
+_MARKER = "__lora_tma_guard__"
+"""Set on the installed wrapper; holds the :class:`Inspection` it was built from."""
+
+_lock = threading.RLock()
+_wanted = False
+_import_hook_registered = False
+_installed = None  # the wrapper object in place, the handle for unwrap_object
+_inspection: Inspection | None = None
+
+
+@dataclass(frozen=True)
+class GuardStatus:
+    active: bool
+    """``activate()`` was called and not undone."""
+    installed: bool
+    """The wrapper is in place on the module attribute now."""
+    target_imported: bool
+    strategy: str | None
+    reason: str | None
+    sglang_version: str | None
+    target: str = TARGET
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def hooks_touch_buffers(hooks) -> bool:
+    """Upstream's test: a hooks object with ``after_gate_up`` or ``after_down`` set.
+
+    A hooks object of another shape is never an error here: the call then goes through as it
+    came, and SGLang meets the object, and raises about it, exactly as it would without us.
+    """
+    try:
+        return bool(hooks) and (
+            getattr(hooks, "after_gate_up", None) is not None
+            or getattr(hooks, "after_down", None) is not None
+        )
+    except Exception:
+        return False
+
+
+def make_guarded(original, inspection: Inspection):
+    """Build the replacement for ``original`` from its inspection (strategy FLAG)."""
+    flag_at = inspection.flag_index
+    hooks_at = inspection.hooks_index
+
+    @functools.wraps(original)
+    def _fused_moe_kernel_sequence(*args, **kwargs):
+        if hooks_at is not None and len(args) > hooks_at:
+            hooks = args[hooks_at]
+        else:
+            hooks = kwargs.get("hooks")
+        if hooks is not None and hooks_touch_buffers(hooks):
+            # The hooks index the buffers as (num_tokens, topk, N); only the non-TMA path
+            # stores them that way.
+            if len(args) > flag_at:
+                args = (*args[:flag_at], False, *args[flag_at + 1 :])
+            elif "down_moe_use_tma" in kwargs:
+                kwargs["down_moe_use_tma"] = False
+        return original(*args, **kwargs)
+
+    setattr(_fused_moe_kernel_sequence, _MARKER, inspection)
+    return _fused_moe_kernel_sequence
+
+
+def is_guarded(func) -> bool:
+    return getattr(func, _MARKER, None) is not None
+
+
+def activate() -> GuardStatus:
+    """Guard ``_fused_moe_kernel_sequence`` now, or as soon as its module is imported.
+
+    Idempotent: a second call (a second ``load_plugins()``, another thread) installs nothing twice.
+    """
+    global _wanted, _import_hook_registered
+    with _lock:
+        _wanted = True
+        register, _import_hook_registered = not _import_hook_registered, True
+    if register:
+        # Outside our lock: wrapt runs the hook at once when the module is already imported, and
+        # an import finishing in another thread runs it too; neither may wait on us while we
+        # wait on wrapt.
+        wrapt.register_post_import_hook(_on_target_import, TARGET_MODULE)
+    with _lock:
+        module = _imported_target()
+        if module is not None and _installed is None:
+            _install(module)
+        return status()
+
+
+def deactivate() -> GuardStatus:
+    """Put the original function object back and stop guarding later imports."""
+    global _wanted, _installed
+    with _lock:
+        _wanted = False
+        module = sys.modules.get(TARGET_MODULE)
+        if _installed is not None and module is not None:
+            removed = wrapt.unwrap_object(module, TARGET_NAME, _installed, missing_ok=True)
+            if removed is None:
+                logger.warning(
+                    "sglang-lora-tma-guard: %s was replaced by other code after the guard was "
+                    "installed; left as it is",
+                    TARGET,
+                )
+            else:
+                logger.info("sglang-lora-tma-guard: removed from %s", TARGET)
+        _installed = None
+        return status()
+
+
+def status() -> GuardStatus:
+    module = sys.modules.get(TARGET_MODULE)
+    current = getattr(module, TARGET_NAME, None) if module is not None else None
+    return GuardStatus(
+        active=_wanted,
+        installed=is_guarded(current),
+        target_imported=module is not None,
+        strategy=_inspection.strategy.value if _inspection else None,
+        reason=_inspection.reason if _inspection else None,
+        sglang_version=sglang_version(),
+    )
+
+
+def _imported_target():
+    """The fused-MoE module once its import has finished, else None (the import hook will come)."""
+    module = sys.modules.get(TARGET_MODULE)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
+def _on_target_import(module) -> None:
+    # Runs inside the import of SGLang's fused-MoE module: an exception here would break that
+    # import and with it the server, so every failure is logged and the module left as it is.
+    try:
+        with _lock:
+            if _wanted and _installed is None:
+                _install(module)
+    except Exception:
+        logger.exception(
+            "sglang-lora-tma-guard: could not guard %s; SGLang runs unguarded. "
+            "Please report this with the output of `python -m sglang_lora_tma_guard.check`.",
+            TARGET,
+        )
+
+
+def _install(module) -> None:
+    global _installed, _inspection
+    current = getattr(module, TARGET_NAME, None)
+    if is_guarded(current):
+        # Another copy of this package's state (a reload) put it there; adopt it.
+        _installed, _inspection = current, getattr(current, _MARKER)
+        return
+    _inspection = inspection = inspect_target(current)
+    version = sglang_version()
+    note = version_note(version)
+    if note:
+        logger.info("sglang-lora-tma-guard: %s", note)
+    if inspection.strategy is Strategy.FLAG:
+        _installed = wrapt.wrap_object(module, TARGET_NAME, make_guarded, (inspection,))
+        logger.info(
+            "sglang-lora-tma-guard: SGLang %s, strategy %s: %s in %s",
+            version, inspection.strategy.name, inspection.reason, TARGET,
+        )
+    elif inspection.strategy is Strategy.UNSUPPORTED:
+        logger.warning(
+            "sglang-lora-tma-guard: SGLang %s, strategy %s: %s. Not patched: LoRA adapters on MoE "
+            "models may still produce garbled output where a tuned config turns TMA on.",
+            version, inspection.strategy.name, inspection.reason,
+        )
+    else:
+        logger.info(
+            "sglang-lora-tma-guard: SGLang %s, strategy %s: %s; nothing to patch",
+            version, inspection.strategy.name, inspection.reason,
+        )

@@ -1,0 +1,259 @@
+"""A tiny block-fp8 MoE run through the installed SGLang's own ``_fused_moe_kernel_sequence``.
+
+Used by the demo, the tests and the benchmarks to show the bug and the fix on SGLang's real
+kernels: on a GPU natively, on a CPU through Triton's interpreter (``TRITON_INTERPRET=1`` must be
+set before Triton is first imported). The LoRA-style hooks add a per-expert low-rank delta to each
+route's row, in place, the way SGLang's LoRA MoE hooks do.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from .inspection import TARGET_MODULE, TARGET_NAME
+
+FP8_BLOCK = (128, 128)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fused_moe_module():
+    return importlib.import_module(TARGET_MODULE)
+
+
+def ensure_server_args() -> None:
+    """Give SGLang the two server settings the sequence reads, outside a server process only."""
+    from sglang.srt import runtime_context
+
+    try:
+        runtime_context.get_server_args()
+    except ValueError:
+        runtime_context._CONTEXT.set_server_args(
+            SimpleNamespace(enable_fused_moe_sum_all_reduce=False, enable_deterministic_inference=False)
+        )
+
+
+def quantize_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, R, C) float -> fp8 weight and (E, R/128, C/128) float32 scales, one per 128x128 block."""
+    experts, rows, cols = weight.shape
+    br, bc = FP8_BLOCK
+    blocks = weight.float().view(experts, rows // br, br, cols // bc, bc)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-6) / FP8_MAX
+    quantized = (blocks / scale[:, :, None, :, None]).view(experts, rows, cols)
+    return quantized.to(torch.float8_e4m3fn), scale
+
+
+def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """What SGLang's ``moe_align_block_size`` returns, in plain PyTorch (it has no CPU kernel).
+
+    Route indices ``t * topk + j`` grouped by expert, each group padded with the sentinel
+    ``num_tokens * topk`` to a multiple of ``block_m``; one expert id per block.
+    """
+    flat = topk_ids.flatten().cpu()
+    numel = flat.numel()
+    sorted_ids: list[int] = []
+    expert_ids: list[int] = []
+    for expert in range(num_experts):
+        routes = (flat == expert).nonzero().flatten().tolist()
+        if not routes:
+            continue
+        padding = -len(routes) % block_m
+        sorted_ids += routes + [numel] * padding
+        expert_ids += [expert] * ((len(routes) + padding) // block_m)
+    post_padded = len(sorted_ids)
+    # Sized as SGLang sizes them, so the TMA path's buffer arithmetic sees what it would in a server.
+    capacity = numel * block_m if numel < num_experts + 1 else numel + (num_experts + 1) * (block_m - 1)
+    sorted_ids += [numel] * (capacity - len(sorted_ids))
+    expert_ids += [-1] * (-(-capacity // block_m) - len(expert_ids))
+    device = topk_ids.device
+    as_i32 = dict(dtype=torch.int32, device=device)
+    return (
+        torch.tensor(sorted_ids, **as_i32),
+        torch.tensor(expert_ids, **as_i32),
+        torch.tensor([post_padded], **as_i32),
+    )
+
+
+@dataclass
+class MoEProblem:
+    """Weights, routing and LoRA factors for one small block-fp8 MoE layer."""
+
+    hidden_states: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w1_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    config: dict
+    lora: dict = field(repr=False)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+
+def make_problem(
+    num_tokens: int = 8,
+    num_experts: int = 4,
+    hidden: int = 256,
+    intermediate: int = 128,
+    topk: int = 2,
+    rank: int = 4,
+    block_m: int = 16,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float16,
+) -> MoEProblem:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+    w1, w1_scale = quantize_block_fp8(randn(num_experts, 2 * intermediate, hidden, scale=0.05))
+    w2, w2_scale = quantize_block_fp8(randn(num_experts, hidden, intermediate, scale=0.05))
+    scores = torch.randn(num_tokens, num_experts, generator=gen).softmax(dim=-1)
+    topk_weights, topk_ids = torch.topk(scores, topk, dim=-1)
+    config = {
+        "BLOCK_SIZE_M": block_m,
+        "BLOCK_SIZE_N": 64,
+        "BLOCK_SIZE_K": FP8_BLOCK[1],
+        "GROUP_SIZE_M": 1,
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+    lora = {
+        "A1": randn(num_experts, hidden, rank, scale=0.1).to(dtype),
+        "B1": randn(num_experts, rank, 2 * intermediate, scale=0.1).to(dtype),
+        "A2": randn(num_experts, intermediate, rank, scale=0.1).to(dtype),
+        "B2": randn(num_experts, rank, hidden, scale=0.1).to(dtype),
+    }
+    return MoEProblem(
+        hidden_states=randn(num_tokens, hidden).to(dtype),
+        w1=w1,
+        w2=w2,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        topk_weights=topk_weights.float().to(device),
+        topk_ids=topk_ids.to(torch.int32).to(device),
+        config=config,
+        lora=lora,
+    )
+
+
+def lora_hooks(problem: MoEProblem, gate_up: bool = True, down: bool = True):
+    """SGLang's ``LoRAHooks`` with per-expert low-rank deltas added in place, route by route."""
+    from sglang.srt.lora.lora_moe_runners import LoRAHooks
+
+    lora = problem.lora
+
+    def after_gate_up(hidden_states, cache1, topk_weights, topk_ids):
+        experts = topk_ids.long()  # (T, k)
+        low = torch.einsum("tc,tkcr->tkr", hidden_states, lora["A1"][experts])
+        cache1 += torch.einsum("tkr,tkrn->tkn", low, lora["B1"][experts])
+
+    def after_down(cache2, cache3, topk_weights, topk_ids):
+        tokens, topk, _ = cache3.shape
+        experts = topk_ids.long()
+        act = cache2[: tokens * topk].view(tokens, topk, -1)
+        low = torch.einsum("tkc,tkcr->tkr", act, lora["A2"][experts])
+        delta = torch.einsum("tkr,tkrn->tkn", low, lora["B2"][experts])
+        cache3 += delta * topk_weights[..., None].to(cache3.dtype)
+
+    return LoRAHooks(
+        after_gate_up=after_gate_up if gate_up else None,
+        after_down=after_down if down else None,
+    )
+
+
+def run_sequence(problem: MoEProblem, *, use_tma: bool, hooks=None, function=None) -> torch.Tensor:
+    """One call of ``_fused_moe_kernel_sequence`` as SGLang's Triton runner makes it.
+
+    The function is looked up on its module at call time, as SGLang's runner does, so an installed
+    guard is on the path. ``down_moe_use_tma`` goes positionally, as in every SGLang caller.
+    """
+    ensure_server_args()
+    if function is None:
+        function = getattr(fused_moe_module(), TARGET_NAME)
+    sorted_ids, expert_ids, post_padded = align_block_size(
+        problem.topk_ids, problem.config["BLOCK_SIZE_M"], problem.num_experts
+    )
+    hidden_states = problem.hidden_states.clone()
+    return function(
+        hidden_states,
+        problem.w1,
+        problem.w2,
+        problem.topk_weights,
+        problem.topk_ids,
+        sorted_ids,
+        expert_ids,
+        post_padded,
+        dict(problem.config),
+        dict(problem.config),
+        use_tma,
+        **sequence_kwargs(problem, hooks),
+    )
+
+
+def sequence_kwargs(problem: MoEProblem, hooks) -> dict:
+    """The keyword arguments SGLang 0.5.16's Triton runner passes, for block-fp8 weights."""
+    return dict(
+        b1=None,
+        b2=None,
+        use_fp8_w8a8=True,
+        use_int8_w8a8=False,
+        use_int8_w8a16=False,
+        use_int4_w4a16=False,
+        per_channel_quant=False,
+        w1_scale=problem.w1_scale,
+        w2_scale=problem.w2_scale,
+        w1_zp=None,
+        w2_zp=None,
+        a1_scale=None,
+        a2_scale=None,
+        block_shape=list(FP8_BLOCK),
+        activation="silu",
+        is_gated=True,
+        no_combine=False,
+        inplace=True,  # the out-of-place path asks for a tensor-parallel group
+        apply_router_weight_on_input=False,
+        routed_scaling_factor=None,
+        gemm1_alpha=None,
+        gemm1_limit=None,
+        filter_expert=False,
+        hooks=hooks,
+    )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    rows: int
+    rows_wrong: int
+    max_abs_diff: float
+    max_rel_err: float
+    identical: bool
+
+    def __str__(self) -> str:
+        verdict = "bit-identical" if self.identical else f"{self.rows_wrong}/{self.rows} rows wrong"
+        return f"{verdict}, max |diff| {self.max_abs_diff:.3g}, max relative error {self.max_rel_err:.3g}"
+
+
+ROW_TOLERANCE = 1e-2
+"""A row counts as wrong when its relative L2 error exceeds 1% or it holds a NaN/inf."""
+
+
+def compare(output: torch.Tensor, reference: torch.Tensor) -> Comparison:
+    out, ref = output.float().flatten(1), reference.float().flatten(1)
+    diff = (out - ref).abs()
+    rel = (out - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-12)
+    wrong = ~torch.isfinite(out).all(dim=1) | ~(rel <= ROW_TOLERANCE)
+    return Comparison(
+        rows=out.shape[0],
+        rows_wrong=int(wrong.sum()),
+        max_abs_diff=float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0,
+        max_rel_err=float(rel.nan_to_num(nan=float("inf")).max()) if rel.numel() else 0.0,
+        identical=torch.equal(output, reference),
+    )
