@@ -1,0 +1,100 @@
+"""Strategy per release shape, decided from the function itself."""
+
+import pytest
+
+from fake_sglang import RELEASES, load_function, write_tree
+from sglang_lora_tma_guard.inspection import (
+    Strategy,
+    has_native_guard,
+    inspect_target,
+    release_is_affected,
+    version_note,
+)
+
+EXPECTED = {
+    "0.5.11": Strategy.FLAG,
+    "0.5.16": Strategy.FLAG,
+    "0.5.17": Strategy.NATIVE,
+    "0.5.23": Strategy.NATIVE,
+    "0.5.16.dev3+renamed": Strategy.UNSUPPORTED,
+}
+
+
+@pytest.mark.parametrize("version", sorted(EXPECTED))
+def test_strategy_is_read_from_the_compiled_function(version):
+    # Compiled from a string: no source to read, so the native guard is found in the bytecode.
+    inspection = inspect_target(load_function(RELEASES[version], []))
+    assert inspection.strategy is EXPECTED[version]
+    if inspection.strategy is Strategy.FLAG:
+        assert inspection.flag_index == 10
+        assert inspection.hooks_index is None  # keyword-only in every release
+
+
+@pytest.mark.parametrize("version", sorted(EXPECTED))
+def test_strategy_is_read_from_the_source_file(version, tmp_path, monkeypatch):
+    write_tree(tmp_path, version)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib.util
+
+    path = tmp_path / "sglang/srt/layers/moe/moe_runner/triton_utils/fused_moe.py"
+    spec = importlib.util.spec_from_file_location("fake_fused_moe_" + version.replace(".", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert inspect_target(module._fused_moe_kernel_sequence).strategy is EXPECTED[version]
+
+
+def test_missing_function_means_nothing_to_guard():
+    inspection = inspect_target(None)
+    assert inspection.strategy is Strategy.ABSENT
+    assert "0.5.11" in inspection.reason
+
+
+def test_function_without_hooks_means_nothing_to_guard():
+    def _fused_moe_kernel_sequence(hidden_states, w1, w2, down_moe_use_tma):
+        return hidden_states
+
+    assert inspect_target(_fused_moe_kernel_sequence).strategy is Strategy.ABSENT
+
+
+def test_keyword_only_flag_is_unsupported():
+    def _fused_moe_kernel_sequence(hidden_states, *, down_moe_use_tma, hooks=None):
+        return hidden_states
+
+    inspection = inspect_target(_fused_moe_kernel_sequence)
+    assert inspection.strategy is Strategy.UNSUPPORTED
+    assert "not a positional parameter" in inspection.reason
+
+
+def test_unreadable_signature_is_unsupported_not_an_error():
+    class Opaque:
+        __signature__ = "not a signature"
+
+        def __call__(self, *args, **kwargs):
+            pass
+
+    assert inspect_target(Opaque()).strategy is Strategy.UNSUPPORTED
+
+
+def test_a_flag_reset_outside_a_hooks_test_is_not_the_native_guard():
+    def _fused_moe_kernel_sequence(x, down_moe_use_tma, *, hooks=None):
+        if x is None:
+            down_moe_use_tma = False
+        return hooks.after_gate_up, down_moe_use_tma
+
+    assert not has_native_guard(_fused_moe_kernel_sequence)
+    assert inspect_target(_fused_moe_kernel_sequence).strategy is Strategy.FLAG
+
+
+@pytest.mark.parametrize(
+    "version, affected",
+    [("0.5.10.post1", False), ("0.5.11", True), ("0.5.16.dev7+gabc", True), ("0.5.17", False),
+     ("main", None)],
+)
+def test_version_number_alone(version, affected):
+    assert release_is_affected(version) is affected
+
+
+def test_versions_outside_the_checked_range_get_a_note():
+    assert version_note("0.5.16") is None
+    assert "newer than the newest release checked" in version_note("0.6.0")
+    assert "not a release number" in version_note("main")
