@@ -1,0 +1,289 @@
+"""Am I affected, and am I protected?
+
+    python -m sglang_lora_tma_guard.check [--json]
+
+Reads the installed SGLang's ``_fused_moe_kernel_sequence`` (its signature and code), this
+package's entry point, ``SGLANG_PLUGINS`` and ``SGLANG_LORA_TMA_GUARD``, and tries the wrapper in
+this process. Runs without a GPU.
+
+Exit status: 0 not affected or protected; 1 affected and not protected; 2 cannot tell (SGLang
+missing or its fused-MoE module not importable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import platform
+import sys
+import warnings
+from importlib import metadata
+
+from . import __version__, guard
+from .inspection import (
+    FLAG_PARAM,
+    HOOKS_PARAM,
+    TARGET,
+    TARGET_MODULE,
+    TARGET_NAME,
+    Strategy,
+    inspect_target,
+    release_is_affected,
+    sglang_version,
+    version_note,
+)
+from .settings import ENV_VAR, read_switch
+
+SCHEMA_VERSION = 1
+ENTRY_POINT_GROUP = "sglang.srt.plugins"
+ENTRY_POINT_NAME = "lora_tma_guard"
+
+EXIT_OK, EXIT_EXPOSED, EXIT_UNKNOWN = 0, 1, 2
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    env = {
+        "python": platform.python_version(),
+        "sglang": sglang_version(),
+        "torch": _dist_version("torch"),
+        "triton": _dist_version("triton"),
+        "wrapt": _dist_version("wrapt"),
+        "gpu": None,
+        "gpu_compute_capability": None,
+    }
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+            env["gpu_compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    except Exception as exc:  # a broken CUDA install must not stop the check
+        env["gpu"] = f"unknown ({type(exc).__name__}: {exc})"
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+
+        env["triton_tensor_descriptors"] = True
+    except Exception:
+        env["triton_tensor_descriptors"] = False
+    capability = env["gpu_compute_capability"]
+    env["gpu_has_tma"] = None if capability is None else int(capability.split(".")[0]) >= 9
+    return env
+
+
+def target_report() -> tuple[dict, object | None]:
+    """What the installed SGLang has, and the original function object (None if unreadable)."""
+    report = {"target": TARGET, "importable": False, "error": None}
+    if sglang_version() is None and _find_spec("sglang") is None:
+        report["error"] = "SGLang is not installed in this Python environment"
+        return report, None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = importlib.import_module(TARGET_MODULE)
+    except Exception as exc:
+        report["error"] = f"cannot import {TARGET_MODULE}: {type(exc).__name__}: {exc}"
+        return report, None
+    report["importable"] = True
+    function = getattr(module, TARGET_NAME, None)
+    original = inspect.unwrap(function) if function is not None else None
+    inspection = inspect_target(original)
+    report.update(
+        strategy=inspection.strategy.value,
+        reason=inspection.reason,
+        native_guard=inspection.strategy is Strategy.NATIVE,
+        location=_location(original),
+        flag_parameter=(
+            f"positional #{inspection.flag_index}" if inspection.flag_index is not None else None
+        ),
+        hooks_parameter=_hooks_kind(original),
+    )
+    return report, original
+
+
+def _find_spec(name: str):
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
+def _location(function) -> str | None:
+    try:
+        return f"{inspect.getsourcefile(function)}:{inspect.getsourcelines(function)[1]}"
+    except (OSError, TypeError):
+        return None
+
+
+def _hooks_kind(function) -> str | None:
+    try:
+        param = inspect.signature(function).parameters.get(HOOKS_PARAM)
+    except (TypeError, ValueError):
+        return None
+    return None if param is None else param.kind.description
+
+
+def guard_report(strategy: str | None) -> dict:
+    switch = read_switch()
+    entry = next(
+        (ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME), None
+    )
+    allow = os.environ.get("SGLANG_PLUGINS") or None
+    admitted = allow is None or ENTRY_POINT_NAME in {x.strip() for x in allow.split(",")}
+    report = {
+        "switch": {"variable": ENV_VAR, "value": switch.value, "enabled": switch.enabled,
+                   "valid": switch.valid},
+        "entry_point": None if entry is None else f"{entry.name} = {entry.value}",
+        "sglang_plugins": allow,
+        "admitted_by_sglang_plugins": admitted,
+        "wrapper_installs": None,
+    }
+    if strategy == Strategy.FLAG.value:
+        report["wrapper_installs"] = _try_the_wrapper()
+    return report
+
+
+def _try_the_wrapper() -> bool:
+    """Install and remove the wrapper in this process, as a server process would install it."""
+    logging.getLogger("sglang_lora_tma_guard").setLevel(logging.WARNING)
+    was_active = guard.status().active
+    try:
+        return guard.activate().installed
+    finally:
+        if not was_active:
+            guard.deactivate()
+
+
+def verdict(env: dict, target: dict, guarded: dict | None) -> dict:
+    version = env["sglang"]
+    if not target["importable"]:
+        return _verdict("unknown", EXIT_UNKNOWN, target["error"])
+    strategy = target["strategy"]
+    if strategy == Strategy.NATIVE.value:
+        return _verdict("not-affected", EXIT_OK, f"SGLang {version} turns TMA off for LoRA-hooked calls itself")
+    if strategy == Strategy.ABSENT.value:
+        return _verdict("not-affected", EXIT_OK, target["reason"])
+    if strategy == Strategy.UNSUPPORTED.value:
+        return _verdict(
+            "exposed", EXIT_EXPOSED,
+            f"{target['reason']}; this build needs the upstream fix "
+            "(SGLang 0.5.17 or later)",
+        )
+    missing = []
+    if not guarded["switch"]["enabled"]:
+        missing.append(f"set {ENV_VAR}=1 in the server's environment")
+    if guarded["entry_point"] is None:
+        missing.append("reinstall sglang-lora-tma-guard (its entry point is not registered)")
+    if not guarded["admitted_by_sglang_plugins"]:
+        missing.append(f"add {ENTRY_POINT_NAME} to SGLANG_PLUGINS")
+    if not guarded["wrapper_installs"]:
+        missing.append("report this: the wrapper did not install on this SGLang")
+    if missing:
+        return _verdict(
+            "exposed", EXIT_EXPOSED,
+            f"SGLang {version} can run LoRA hooks on the TMA down path and the guard is not on: "
+            + "; ".join(missing),
+        )
+    return _verdict(
+        "protected", EXIT_OK,
+        f"SGLang {version} is affected; every SGLang process will run LoRA-hooked "
+        "MoE calls with down_moe_use_tma=False",
+    )
+
+
+def _verdict(status: str, exit_code: int, message: str) -> dict:
+    return {"status": status, "exit_code": exit_code, "message": message}
+
+
+def build_report() -> dict:
+    env = environment()
+    target, _ = target_report()
+    guarded = guard_report(target.get("strategy")) if target["importable"] else None
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": {"name": "sglang-lora-tma-guard", "version": __version__},
+        "environment": env,
+        "sglang_version_note": version_note(env["sglang"]) if env["sglang"] else None,
+        "version_says_affected": release_is_affected(env["sglang"]),
+        "target": target,
+        "guard": guarded,
+        "verdict": verdict(env, target, guarded),
+    }
+
+
+def render(report: dict) -> str:
+    env, target, guarded = report["environment"], report["target"], report["guard"]
+    yes_no = {True: "yes", False: "no", None: "n/a"}
+    gpu = env["gpu"] or "none (CPU only)"
+    if env["gpu_compute_capability"]:
+        gpu += f", compute capability {env['gpu_compute_capability']}"
+    lines = [
+        f"sglang-lora-tma-guard {report['tool']['version']}: check",
+        "",
+        "Environment",
+        f"  python            {env['python']}",
+        f"  sglang            {env['sglang'] or 'not installed'}",
+        f"  torch             {env['torch'] or 'not installed'}",
+        f"  triton            {env['triton'] or 'not installed'}",
+        f"  GPU               {gpu}",
+        f"  TMA               Triton tensor descriptors: {yes_no[env['triton_tensor_descriptors']]}; "
+        f"GPU with TMA (sm90+): {yes_no[env['gpu_has_tma']]}",
+        "",
+        "SGLang fused MoE",
+        f"  function          {target['target']}",
+    ]
+    if report["sglang_version_note"]:
+        lines.append(f"  note              {report['sglang_version_note']}")
+    if not target["importable"]:
+        lines.append(f"  error             {target['error']}")
+    else:
+        lines += [
+            f"  defined at        {target['location'] or 'unknown (no source)'}",
+            f"  {FLAG_PARAM:<17} {target['flag_parameter'] or 'not a positional parameter / absent'}",
+            f"  {HOOKS_PARAM:<17} {target['hooks_parameter'] or 'absent'}",
+            f"  native guard      {'found' if target['native_guard'] else 'not found'}",
+            f"  strategy          {target['strategy']}: {target['reason']}",
+        ]
+    if guarded:
+        switch = guarded["switch"]
+        value = "unset" if switch["value"] is None else repr(switch["value"])
+        state = "on" if switch["enabled"] else ("off, not understood" if not switch["valid"] else "off")
+        lines += [
+            "",
+            "Guard",
+            f"  entry point       {guarded['entry_point'] or 'not registered'}",
+            f"  SGLANG_PLUGINS    {guarded['sglang_plugins'] or 'unset (every plugin loads)'}"
+            + ("" if guarded["admitted_by_sglang_plugins"] else "  <- excludes lora_tma_guard"),
+            f"  {ENV_VAR} {value} ({state})",
+            f"  wrapper installs  {yes_no[guarded['wrapper_installs']]}",
+        ]
+    verdict_ = report["verdict"]
+    lines += ["", f"{verdict_['status'].upper()}: {verdict_['message']}"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_lora_tma_guard.check", description="Am I affected, and am I protected?"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+    report = build_report()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return report["verdict"]["exit_code"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""``python -m sglang_lora_tma_guard.check``: verdicts and exit codes, on real SGLang and on fakes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import wrapt
+
+from fake_sglang import write_tree
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_check(*args, tree: Path | None = None, env: dict | None = None, no_site: Path | None = None):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
+    full_env.update(env or {})
+    if tree is not None:
+        full_env["PYTHONPATH"] = str(tree)
+    command = [sys.executable, "-m", "sglang_lora_tma_guard.check", *args]
+    if no_site is not None:
+        # A Python that sees this package and wrapt, and no site-packages: no SGLang, no torch.
+        (no_site / "wrapt").symlink_to(Path(wrapt.__file__).parent)
+        (no_site / "sglang_lora_tma_guard").symlink_to(REPO / "sglang_lora_tma_guard")
+        command = [sys.executable, "-S", "-c",
+                   f"import sys; sys.path.insert(0, {str(no_site)!r}); "
+                   "from sglang_lora_tma_guard.check import main; sys.exit(main(sys.argv[1:]))", *args]
+    proc = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.real
+class TestOnRealSGLang:
+    def test_unprotected_server_environment_exits_1_and_says_what_to_set(self):
+        code, out, _ = run_check()
+        assert code == 1
+        assert out.splitlines()[-1].startswith("EXPOSED: SGLang 0.5.16")
+        assert "set SGLANG_LORA_TMA_GUARD=1" in out
+        assert "strategy          flag" in out
+
+    def test_switch_on_exits_0_protected(self):
+        code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "1"})
+        assert code == 0 and out.splitlines()[-1].startswith("PROTECTED: SGLang 0.5.16 is affected")
+        assert "wrapper installs  yes" in out
+
+    def test_allow_list_without_the_plugin_is_not_protected(self):
+        code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "1", "SGLANG_PLUGINS": "other"})
+        assert code == 1 and "add lora_tma_guard to SGLANG_PLUGINS" in out
+
+    def test_json_report_has_a_schema_version_and_the_verdict(self):
+        code, out, _ = run_check("--json", env={"SGLANG_LORA_TMA_GUARD": "on"})
+        report = json.loads(out)
+        assert code == 0 and report["schema_version"] == 1
+        assert report["verdict"] == {
+            "status": "protected", "exit_code": 0, "message": report["verdict"]["message"]}
+        assert report["target"]["strategy"] == "flag"
+        assert report["target"]["flag_parameter"] == "positional #10"
+        assert report["guard"]["entry_point"] == "lora_tma_guard = sglang_lora_tma_guard.plugin:register"
+        assert report["environment"]["sglang"] == "0.5.16"
+
+
+@pytest.mark.parametrize(
+    "version, shape, code, status",
+    [("0.5.17", "0.5.17", 0, "NOT-AFFECTED"), ("0.5.23", "0.5.23", 0, "NOT-AFFECTED"),
+     ("0.5.16.dev3+renamed", None, 1, "EXPOSED"), ("0.5.11", "0.5.11", 0, "PROTECTED")],
+)
+def test_verdict_per_release_shape(tmp_path, version, shape, code, status):
+    returncode, out, _ = run_check(tree=write_tree(tmp_path, version, shape),
+                                   env={"SGLANG_LORA_TMA_GUARD": "1"})
+    assert (returncode, out.splitlines()[-1].split(":")[0]) == (code, status)
+
+
+def test_sglang_before_0_5_11_is_not_affected(tmp_path):
+    code, out, _ = run_check(tree=write_tree(tmp_path, "0.5.10.post1", "0.5.16", with_function=False))
+    assert code == 0 and "SGLang before 0.5.11" in out.splitlines()[-1]
+
+
+def test_sglang_missing_exits_2_without_a_traceback(tmp_path):
+    code, out, err = run_check(no_site=tmp_path)
+    assert code == 2
+    assert out.splitlines()[-1] == "UNKNOWN: SGLang is not installed in this Python environment"
+    assert "Traceback" not in out + err
+
+
+def test_sglang_that_cannot_be_imported_exits_2_with_the_reason(tmp_path):
+    tree = write_tree(tmp_path, "0.5.16")
+    (tree / "sglang/srt/layers/moe/moe_runner/triton_utils/fused_moe.py").write_text(
+        "import a_kernel_package_that_is_missing\n")
+    code, out, err = run_check("--json", tree=tree)
+    report = json.loads(out)
+    assert code == 2 and report["verdict"]["status"] == "unknown"
+    assert "No module named 'a_kernel_package_that_is_missing'" in report["verdict"]["message"]
+    assert "Traceback" not in err
