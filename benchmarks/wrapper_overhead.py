@@ -1,0 +1,91 @@
+"""Host-side cost of the guard per call, against the unwrapped call with SGLang's real argument list.
+
+    python benchmarks/wrapper_overhead.py [--calls 200000] [--repeats 7]
+
+The function under both is a stand-in compiled with the installed SGLang's exact signature of
+``_fused_moe_kernel_sequence`` (binding its 11 positional and 26 keyword arguments is part of
+every real call), so the difference is the guard alone. Best of ``--repeats`` runs; compare the
+two columns of one run, not figures across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import timeit
+import warnings
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from sglang_lora_tma_guard.guard import make_guarded  # noqa: E402
+from sglang_lora_tma_guard.inspection import TARGET_NAME, inspect_target  # noqa: E402
+
+
+def real_signature():
+    """The installed SGLang's signature, or None when SGLang cannot be imported here."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from sglang_lora_tma_guard.probe import fused_moe_module
+
+            return inspect.signature(inspect.unwrap(getattr(fused_moe_module(), TARGET_NAME)))
+    except Exception as exc:
+        print(f"(SGLang not importable: {type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
+
+
+def stand_in(signature: inspect.Signature):
+    params = ", ".join(
+        ("*, " if p.kind is p.KEYWORD_ONLY and i == first_kw else "") + p.name
+        + ("=None" if p.default is not p.empty else "")
+        for i, p in enumerate(signature.parameters.values())
+        for first_kw in [next(j for j, q in enumerate(signature.parameters.values()) if q.kind is q.KEYWORD_ONLY)]
+    )
+    namespace = {}
+    exec(f"def {TARGET_NAME}({params}):\n    return down_moe_use_tma\n", namespace)
+    return namespace[TARGET_NAME]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="guard overhead per call")
+    parser.add_argument("--calls", type=int, default=200_000)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    signature = real_signature()
+    if signature is None:
+        return 2
+    original = stand_in(signature)
+    guarded = make_guarded(original, inspect_target(original))
+    positional = [p.name for p in signature.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    keyword = [p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY]
+    call_args = tuple(True if name == "down_moe_use_tma" else None for name in positional)
+    cases = {
+        "no hooks": None,
+        "hooks, none set": SimpleNamespace(after_gate_up=None, after_down=None),
+        "hooks set (TMA off)": SimpleNamespace(after_gate_up=print, after_down=print),
+    }
+
+    def per_call_ns(function, hooks):
+        kwargs = {name: None for name in keyword}
+        kwargs["hooks"] = hooks
+        timer = timeit.Timer(lambda: function(*call_args, **kwargs))
+        return timer.timeit(number=args.calls) / args.calls * 1e9
+
+    print(f"{len(positional)} positional + {len(keyword)} keyword arguments, "
+          f"{args.calls} calls x {args.repeats} interleaved repeats (best), Python {sys.version.split()[0]}")
+    print("| case | unwrapped ns/call | guarded ns/call | overhead ns | ratio |")
+    print("|---|---|---|---|---|")
+    for name, hooks in cases.items():
+        # Interleaved, so that a noisy neighbour slows both columns alike.
+        runs = [(per_call_ns(original, hooks), per_call_ns(guarded, hooks)) for _ in range(args.repeats)]
+        plain, wrapped = min(r[0] for r in runs), min(r[1] for r in runs)
+        print(f"| {name} | {plain:.0f} | {wrapped:.0f} | {wrapped - plain:.0f} | {wrapped / plain:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
