@@ -52,17 +52,20 @@ def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
     Route indices ``t * topk + j`` grouped by expert, each group padded with the sentinel
     ``num_tokens * topk`` to a multiple of ``block_m``; one expert id per block.
     """
-    flat = topk_ids.flatten().cpu()
+    flat = topk_ids.flatten().long().cpu()
     numel = flat.numel()
+    order = torch.argsort(flat, stable=True).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     sorted_ids: list[int] = []
     expert_ids: list[int] = []
-    for expert in range(num_experts):
-        routes = (flat == expert).nonzero().flatten().tolist()
-        if not routes:
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
             continue
-        padding = -len(routes) % block_m
-        sorted_ids += routes + [numel] * padding
-        expert_ids += [expert] * ((len(routes) + padding) // block_m)
+        padding = -count % block_m
+        sorted_ids += order[start : start + count] + [numel] * padding
+        expert_ids += [expert] * ((count + padding) // block_m)
+        start += count
     post_padded = len(sorted_ids)
     # Sized as SGLang sizes them, so the TMA path's buffer arithmetic sees what it would in a server.
     capacity = numel * block_m if numel < num_experts + 1 else numel + (num_experts + 1) * (block_m - 1)
@@ -79,7 +82,7 @@ def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
 
 @dataclass
 class MoEProblem:
-    """Weights, routing and LoRA factors for one small block-fp8 MoE layer."""
+    """Weights, routing, kernel configs and LoRA factors for one block-fp8 MoE layer."""
 
     hidden_states: torch.Tensor
     w1: torch.Tensor
@@ -89,11 +92,34 @@ class MoEProblem:
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
     config: dict
+    down_config: dict
     lora: dict = field(repr=False)
 
     @property
     def num_experts(self) -> int:
         return self.w1.shape[0]
+
+
+def small_config(block_m: int = 16) -> dict:
+    """A kernel config small enough for Triton's CPU interpreter."""
+    return {
+        "BLOCK_SIZE_M": block_m,
+        "BLOCK_SIZE_N": 64,
+        "BLOCK_SIZE_K": FP8_BLOCK[1],
+        "GROUP_SIZE_M": 1,
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+
+
+def make_weights(num_experts, hidden, intermediate, *, seed=0, device="cpu"):
+    """Block-fp8 ``w1`` (E, 2I, H) and ``w2`` (E, H, I) with their scales, generated on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w1 = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen, device=device) * 0.05
+    w1, w1_scale = quantize_block_fp8(w1)
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=gen, device=device) * 0.05
+    w2, w2_scale = quantize_block_fp8(w2)
+    return w1, w2, w1_scale, w2_scale
 
 
 def make_problem(
@@ -103,65 +129,68 @@ def make_problem(
     intermediate: int = 128,
     topk: int = 2,
     rank: int = 4,
-    block_m: int = 16,
     seed: int = 0,
     device: str = "cpu",
     dtype: torch.dtype = torch.float16,
+    weights=None,
+    config: dict | None = None,
+    down_config: dict | None = None,
 ) -> MoEProblem:
-    gen = torch.Generator().manual_seed(seed)
+    """One layer's inputs; ``weights`` (from :func:`make_weights`) can be shared between sizes."""
+    if weights is None:
+        weights = make_weights(num_experts, hidden, intermediate, seed=seed, device=device)
+    w1, w2, w1_scale, w2_scale = weights
+    num_experts, hidden, intermediate = w2.shape
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device)
+        return torch.randn(*shape, generator=gen, device=device) * scale
 
-    w1, w1_scale = quantize_block_fp8(randn(num_experts, 2 * intermediate, hidden, scale=0.05))
-    w2, w2_scale = quantize_block_fp8(randn(num_experts, hidden, intermediate, scale=0.05))
-    scores = torch.randn(num_tokens, num_experts, generator=gen).softmax(dim=-1)
+    scores = randn(num_tokens, num_experts).softmax(dim=-1)
     topk_weights, topk_ids = torch.topk(scores, topk, dim=-1)
-    config = {
-        "BLOCK_SIZE_M": block_m,
-        "BLOCK_SIZE_N": 64,
-        "BLOCK_SIZE_K": FP8_BLOCK[1],
-        "GROUP_SIZE_M": 1,
-        "num_warps": 4,
-        "num_stages": 2,
-    }
+    # LoRA-style factors: one rank-r update per projection, scaled per expert, so that each
+    # route's delta depends on its token and its expert, as an adapter's does.
     lora = {
-        "A1": randn(num_experts, hidden, rank, scale=0.1).to(dtype),
-        "B1": randn(num_experts, rank, 2 * intermediate, scale=0.1).to(dtype),
-        "A2": randn(num_experts, intermediate, rank, scale=0.1).to(dtype),
-        "B2": randn(num_experts, rank, hidden, scale=0.1).to(dtype),
+        "A1": randn(hidden, rank, scale=0.1).to(dtype),
+        "B1": randn(rank, 2 * intermediate, scale=0.1).to(dtype),
+        "gain1": randn(num_experts, scale=1.0).to(dtype),
+        "A2": randn(intermediate, rank, scale=0.1).to(dtype),
+        "B2": randn(rank, hidden, scale=0.1).to(dtype),
+        "gain2": randn(num_experts, scale=1.0).to(dtype),
     }
+    config = dict(config or small_config())
     return MoEProblem(
         hidden_states=randn(num_tokens, hidden).to(dtype),
         w1=w1,
         w2=w2,
         w1_scale=w1_scale,
         w2_scale=w2_scale,
-        topk_weights=topk_weights.float().to(device),
-        topk_ids=topk_ids.to(torch.int32).to(device),
+        topk_weights=topk_weights.float(),
+        topk_ids=topk_ids.to(torch.int32),
         config=config,
+        down_config=dict(down_config or config),
         lora=lora,
     )
 
 
 def lora_hooks(problem: MoEProblem, gate_up: bool = True, down: bool = True):
-    """SGLang's ``LoRAHooks`` with per-expert low-rank deltas added in place, route by route."""
+    """SGLang's ``LoRAHooks`` adding each route's low-rank delta in place, row by row.
+
+    Both hooks index the buffers as SGLang's LoRA hooks do: route ``(t, j)`` is row ``t*topk + j``.
+    """
     from sglang.srt.lora.lora_moe_runners import LoRAHooks
 
     lora = problem.lora
 
     def after_gate_up(hidden_states, cache1, topk_weights, topk_ids):
-        experts = topk_ids.long()  # (T, k)
-        low = torch.einsum("tc,tkcr->tkr", hidden_states, lora["A1"][experts])
-        cache1 += torch.einsum("tkr,tkrn->tkn", low, lora["B1"][experts])
+        delta = (hidden_states @ lora["A1"]) @ lora["B1"]  # (T, 2I)
+        cache1 += delta[:, None, :] * lora["gain1"][topk_ids.long()][..., None]
 
     def after_down(cache2, cache3, topk_weights, topk_ids):
-        tokens, topk, _ = cache3.shape
-        experts = topk_ids.long()
-        act = cache2[: tokens * topk].view(tokens, topk, -1)
-        low = torch.einsum("tkc,tkcr->tkr", act, lora["A2"][experts])
-        delta = torch.einsum("tkr,tkrn->tkn", low, lora["B2"][experts])
-        cache3 += delta * topk_weights[..., None].to(cache3.dtype)
+        tokens, topk, hidden = cache3.shape
+        delta = ((cache2[: tokens * topk] @ lora["A2"]) @ lora["B2"]).view(tokens, topk, hidden)
+        scale = topk_weights.to(cache3.dtype) * lora["gain2"][topk_ids.long()]
+        cache3 += delta * scale[..., None]
 
     return LoRAHooks(
         after_gate_up=after_gate_up if gate_up else None,
@@ -192,7 +221,7 @@ def run_sequence(problem: MoEProblem, *, use_tma: bool, hooks=None, function=Non
         expert_ids,
         post_padded,
         dict(problem.config),
-        dict(problem.config),
+        dict(problem.down_config),
         use_tma,
         **sequence_kwargs(problem, hooks),
     )
