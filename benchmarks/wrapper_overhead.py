@@ -27,6 +27,9 @@ from sglang_lora_tma_guard.inspection import TARGET_NAME, inspect_target  # noqa
 def real_signature():
     """The installed SGLang's signature, or None when SGLang cannot be imported here."""
     try:
+        from _sglang_env import portable_helper_ops
+
+        portable_helper_ops()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from sglang_lora_tma_guard.probe import fused_moe_module

@@ -8,6 +8,7 @@ route's row, in place, the way SGLang's LoRA MoE hooks do.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -98,6 +99,11 @@ class MoEProblem:
     @property
     def num_experts(self) -> int:
         return self.w1.shape[0]
+
+    @functools.cached_property
+    def alignment(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Computed once, before any CUDA-graph capture (it copies from the host)."""
+        return align_block_size(self.topk_ids, self.config["BLOCK_SIZE_M"], self.num_experts)
 
 
 def small_config(block_m: int = 16) -> dict:
@@ -207,9 +213,7 @@ def run_sequence(problem: MoEProblem, *, use_tma: bool, hooks=None, function=Non
     ensure_server_args()
     if function is None:
         function = getattr(fused_moe_module(), TARGET_NAME)
-    sorted_ids, expert_ids, post_padded = align_block_size(
-        problem.topk_ids, problem.config["BLOCK_SIZE_M"], problem.num_experts
-    )
+    sorted_ids, expert_ids, post_padded = problem.alignment
     hidden_states = problem.hidden_states.clone()
     return function(
         hidden_states,
