@@ -205,6 +205,7 @@ def main(argv=None) -> int:
     from sglang_lora_tma_guard.inspection import sglang_version
 
     probe.fused_moe_module()
+    probe.ensure_server_args()
     load_plugins()
     state = guard.status()
     if not state.installed:
