@@ -1,13 +1,16 @@
 """Am I affected, and am I protected?
 
-    python -m sglang_lora_tma_guard.check [--json]
+    python -m sglang_lora_tma_guard.check [--json] [--selftest [--device cpu|cuda]]
 
 Reads the installed SGLang's ``_fused_moe_kernel_sequence`` (its signature and code), this
 package's entry point, ``SGLANG_PLUGINS`` and ``SGLANG_LORA_TMA_GUARD``, and tries the wrapper in
 this process. Runs without a GPU.
 
-Exit status: 0 not affected or protected; 1 affected and not protected; 2 cannot tell (SGLang
-missing or its fused-MoE module not importable).
+With ``--selftest`` it also runs a tiny LoRA-hooked block-fp8 MoE through the installed SGLang,
+TMA requested, without and with the guard (on a GPU natively, else through Triton's interpreter).
+
+Exit status: 0 not affected or protected; 1 affected and not protected, or the self-test failed;
+2 cannot tell (SGLang missing or not importable, or the self-test could not run).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import sys
 import warnings
 from importlib import metadata
 
-from . import __version__, guard
+from . import __version__, guard, selftest
 from .inspection import (
     FLAG_PARAM,
     HOOKS_PARAM,
@@ -268,6 +271,13 @@ def render(report: dict) -> str:
             f"  {ENV_VAR} {value} ({state})",
             f"  wrapper installs  {yes_no[guarded['wrapper_installs']]}",
         ]
+    result = report.get("selftest")
+    if result:
+        lines.append("")
+        if result.get("cases"):
+            lines += selftest.render(result)
+        else:
+            lines.append(f"Self-test: {result.get('skipped') or 'ERROR ' + result['error']}")
     verdict_ = report["verdict"]
     lines += ["", f"{verdict_['status'].upper()}: {verdict_['message']}"]
     return "\n".join(lines)
@@ -278,11 +288,47 @@ def main(argv=None) -> int:
         prog="python -m sglang_lora_tma_guard.check", description="Am I affected, and am I protected?"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--selftest", action="store_true",
+        help="also run a tiny LoRA-hooked MoE through the installed SGLang, with and without the guard",
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="self-test device (default: cuda if present, else the CPU interpreter)")
     args = parser.parse_args(argv)
     logging.getLogger("sglang").setLevel(logging.ERROR)
+    if args.selftest:
+        device = selftest.prepare(args.device)  # before SGLang is imported
     report = build_report()
+    if args.selftest:
+        report["selftest"] = _run_selftest(report, device)
+        _apply_selftest(report)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return report["verdict"]["exit_code"]
+
+
+def _run_selftest(report: dict, device: str) -> dict:
+    target = report["target"]
+    if not target["importable"] or target["strategy"] == Strategy.ABSENT.value:
+        return {"passed": None, "skipped": "nothing to run: " + (target.get("reason") or target["error"])}
+    if target["strategy"] == Strategy.NATIVE.value:
+        return {"passed": None, "skipped": "nothing of this guard's to test: " + target["reason"]}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return selftest.run(device)
+    except Exception as exc:
+        return {"passed": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def _apply_selftest(report: dict) -> None:
+    result, verdict_ = report["selftest"], report["verdict"]
+    if result.get("error"):
+        report["verdict"] = _verdict(
+            "unknown", EXIT_UNKNOWN, f"the self-test could not run: {result['error']}")
+    elif result["passed"] is False:
+        report["verdict"] = _verdict(
+            "exposed", EXIT_EXPOSED, "self-test FAILED: LoRA-hooked calls are wrong on the TMA path "
+            f"even with the guard (strategy {result['strategy']}); " + verdict_["message"])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -26,15 +27,30 @@ def fused_moe_module():
 
 
 def ensure_server_args() -> None:
-    """Give SGLang the two server settings the sequence reads, outside a server process only."""
-    from sglang.srt import runtime_context
+    """Give SGLang the two server settings the sequence reads, outside a server process only.
 
+    0.5.11-0.5.15 read them through ``server_args.get_global_server_args()``, later releases
+    through ``runtime_context.get_server_args()``.
+    """
+    settings = SimpleNamespace(enable_fused_moe_sum_all_reduce=False, enable_deterministic_inference=False)
     try:
-        runtime_context.get_server_args()
-    except ValueError:
-        runtime_context._CONTEXT.set_server_args(
-            SimpleNamespace(enable_fused_moe_sum_all_reduce=False, enable_deterministic_inference=False)
-        )
+        from sglang.srt import runtime_context
+    except ImportError:
+        runtime_context = None
+    if getattr(runtime_context, "get_server_args", None) is not None:
+        try:
+            runtime_context.get_server_args()
+        except ValueError:
+            runtime_context._CONTEXT.set_server_args(settings)
+    from sglang.srt import server_args
+
+    setter = getattr(server_args, "set_global_server_args_for_scheduler", None)
+    getter = getattr(server_args, "get_global_server_args", None)
+    if setter is not None and getter is not None:
+        try:
+            getter()
+        except ValueError:
+            setter(settings)
 
 
 def quantize_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,21 +67,23 @@ def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
     """What SGLang's ``moe_align_block_size`` returns, in plain PyTorch (it has no CPU kernel).
 
     Route indices ``t * topk + j`` grouped by expert, each group padded with the sentinel
-    ``num_tokens * topk`` to a multiple of ``block_m``; one expert id per block.
+    ``num_tokens * topk`` to a multiple of ``block_m``; one expert id per block. Routes to expert
+    -1 (filtered out under expert parallelism) form the first group, its blocks marked -1, as in
+    SGLang's kernel, which counts ``num_experts + 1`` ids.
     """
     flat = topk_ids.flatten().long().cpu()
     numel = flat.numel()
     order = torch.argsort(flat, stable=True).tolist()
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counts = torch.bincount(flat + 1, minlength=num_experts + 1).tolist()
     sorted_ids: list[int] = []
     expert_ids: list[int] = []
     start = 0
-    for expert, count in enumerate(counts):
+    for slot, count in enumerate(counts):
         if count == 0:
             continue
         padding = -count % block_m
         sorted_ids += order[start : start + count] + [numel] * padding
-        expert_ids += [expert] * ((count + padding) // block_m)
+        expert_ids += [slot - 1] * ((count + padding) // block_m)
         start += count
     post_padded = len(sorted_ids)
     # Sized as SGLang sizes them, so the TMA path's buffer arithmetic sees what it would in a server.
@@ -204,30 +222,37 @@ def lora_hooks(problem: MoEProblem, gate_up: bool = True, down: bool = True):
     )
 
 
-def run_sequence(problem: MoEProblem, *, use_tma: bool, hooks=None, function=None) -> torch.Tensor:
+def run_sequence(problem: MoEProblem, *, use_tma: bool, hooks=None, function=None, **overrides) -> torch.Tensor:
     """One call of ``_fused_moe_kernel_sequence`` as SGLang's Triton runner makes it.
 
     The function is looked up on its module at call time, as SGLang's runner does, so an installed
     guard is on the path. ``down_moe_use_tma`` goes positionally, as in every SGLang caller.
+    ``overrides`` replace keyword arguments of :func:`sequence_kwargs` (``filter_expert=True``...).
     """
     ensure_server_args()
     if function is None:
         function = getattr(fused_moe_module(), TARGET_NAME)
     sorted_ids, expert_ids, post_padded = problem.alignment
-    hidden_states = problem.hidden_states.clone()
+    positional = {
+        "hidden_states": problem.hidden_states.clone(),
+        "w1": problem.w1,
+        "w2": problem.w2,
+        "topk_weights": problem.topk_weights,
+        "topk_ids": problem.topk_ids,
+        "sorted_token_ids": sorted_ids,
+        "expert_ids": expert_ids,
+        "num_tokens_post_padded": post_padded,
+        "config": dict(problem.config),
+        "down_config": dict(problem.down_config),
+        "down_moe_use_tma": use_tma,
+        "up_moe_use_tma": False,  # 0.5.18+: TMA for the gate-up GEMM, not what is tested here
+    }
+    params = inspect.signature(function).parameters
+    names = [p.name for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    kwargs = {**sequence_kwargs(problem, hooks), **overrides}
     return function(
-        hidden_states,
-        problem.w1,
-        problem.w2,
-        problem.topk_weights,
-        problem.topk_ids,
-        sorted_ids,
-        expert_ids,
-        post_padded,
-        dict(problem.config),
-        dict(problem.down_config),
-        use_tma,
-        **sequence_kwargs(problem, hooks),
+        *(positional[name] for name in names),
+        **{k: v for k, v in kwargs.items() if k in params},
     )
 
 

@@ -1,0 +1,109 @@
+"""The guard on every SGLang release it claims, each from its own PyPI wheel.
+
+    python scripts/version_matrix.py [--versions 0.5.11 ...] [--json FILE]
+
+Each release is installed with ``--no-deps`` into its own folder under the cache
+(``$LORA_TMA_GUARD_CACHE``, default ``~/.cache/sglang-lora-tma-guard``; kept between runs) and put
+first on ``PYTHONPATH`` of a fresh ``python -m sglang_lora_tma_guard.check --selftest --json``,
+which reads its strategy and, where the guard has work to do, runs the real kernels on the CPU
+(Triton's interpreter): hooked + TMA requested, without and with the guard. The rest of the import
+chain is the one of this environment (requirements/sglang-0.5.16-cpu.txt). Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+AFFECTED = ["0.5.11", "0.5.12.post1", "0.5.13.post1", "0.5.14", "0.5.15.post1", "0.5.16"]
+FIXED = ["0.5.17", "0.5.20", "0.5.23"]
+VERSIONS = AFFECTED + FIXED
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "sglang-lora-tma-guard"
+    return Path(os.environ.get("LORA_TMA_GUARD_CACHE", default))
+
+
+def install(version: str) -> Path:
+    """The folder holding ``sglang==version`` alone, installed once per machine."""
+    target = cache_dir() / f"sglang-{version}"
+    done = target / ".installed"
+    if not done.exists():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+             "--upgrade", "--target", str(target), f"sglang=={version}"],
+            check=True,
+        )
+        done.write_text(version)
+    return target
+
+
+def probe(version: str) -> dict:
+    """Strategy, verdict and self-test of one release, from a fresh interpreter."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(install(version)), str(Path(__file__).resolve().parents[1])])
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_lora_tma_guard.check", "--selftest", "--json", "--device", "cpu"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    try:
+        report = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        return {"version": version, "error": (proc.stdout + proc.stderr)[-2000:]}
+    report["version"] = version
+    report["exit_code"] = proc.returncode
+    return report
+
+
+def row(report: dict) -> str:
+    if "error" in report:
+        return f"| {report['version']} | error | | | | | |"
+    target, result = report["target"], report.get("selftest") or {}
+    cases = result.get("cases") or []
+    wrong = ", ".join(f"{c['rows_wrong_without_guard']}/{c['tokens']}" for c in cases) or "–"
+    with_guard = ("bit-identical" if cases and all(c["identical_with_guard"] for c in cases)
+                  else "DIFFERENT" if cases else "–")
+    hookless = ("untouched" if cases and all(c["hookless_untouched"] for c in cases)
+                else "CHANGED" if cases else "–")
+    outcome = {True: "PASS", False: "FAIL", None: "not needed"}[result.get("passed")]
+    return (f"| {report['version']} | {target.get('strategy')} | "
+            f"{'yes' if target.get('native_guard') else 'no'} | {wrong} | {with_guard} | "
+            f"{hookless} | {outcome} |")
+
+
+def markdown(reports: list[dict]) -> str:
+    return "\n".join([
+        "| sglang | strategy | native guard | rows wrong without the guard | with the guard | "
+        "hook-less calls | self-test |",
+        "|---|---|---|---|---|---|---|",
+        *(row(r) for r in reports),
+    ])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--versions", nargs="+", default=VERSIONS)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--json", dest="json_out")
+    args = parser.parse_args(argv)
+    for version in args.versions:
+        install(version)  # one pip at a time
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        reports = list(pool.map(probe, args.versions))
+    print(markdown(reports))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(reports, indent=1))
+    failed = [r["version"] for r in reports if "error" in r or (r.get("selftest") or {}).get("passed") is False]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

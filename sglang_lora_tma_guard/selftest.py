@@ -1,0 +1,94 @@
+"""A self-test on the installed SGLang: one tiny block-fp8 MoE, TMA requested, LoRA-style hooks.
+
+Runs SGLang's own ``_fused_moe_kernel_sequence`` three ways and compares each with its non-TMA
+hooked path: without the guard (does this SGLang corrupt hooked rows?), with the guard (must be
+bit-identical), and without hooks, guard on and off (must be untouched). On a GPU natively; on a CPU
+through Triton's interpreter, which has to be switched on before SGLang is imported, so call
+:func:`prepare` first in a fresh process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+TOKENS = (3, 17)
+"""Two batch sizes: a ragged one and one whose routes span several kernel blocks."""
+
+
+def prepare(device: str | None = None) -> str:
+    """Pick the device and, for the CPU, switch Triton's interpreter on. Call before importing SGLang."""
+    if device is None:
+        try:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:  # reported by the check itself; the self-test will say it cannot run
+            device = "cpu"
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return device
+
+
+def run(device: str) -> dict:
+    """The self-test; the guard is left as it was found."""
+    import torch
+
+    from . import guard, probe
+
+    started = time.perf_counter()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 is off
+    was_active = guard.status().active
+    cases = []
+    try:
+        for tokens in TOKENS:
+            problem = probe.make_problem(num_tokens=tokens, num_experts=4, topk=2, seed=tokens,
+                                         device=device, dtype=dtype)
+            hooks = probe.lora_hooks(problem)
+            guard.deactivate()
+            reference = probe.run_sequence(problem, use_tma=False, hooks=hooks)
+            unguarded = probe.run_sequence(problem, use_tma=True, hooks=hooks)
+            hookless_off = probe.run_sequence(problem, use_tma=True, hooks=None)
+            installed = guard.activate().installed
+            guarded = probe.run_sequence(problem, use_tma=True, hooks=hooks)
+            hookless_on = probe.run_sequence(problem, use_tma=True, hooks=None)
+            without, with_ = probe.compare(unguarded, reference), probe.compare(guarded, reference)
+            cases.append({
+                "tokens": tokens,
+                "rows_wrong_without_guard": without.rows_wrong,
+                "max_rel_err_without_guard": without.max_rel_err,
+                "guard_installed": installed,
+                "identical_with_guard": with_.identical,
+                "max_abs_diff_with_guard": with_.max_abs_diff,
+                "hookless_untouched": bool(torch.equal(hookless_on, hookless_off)),
+            })
+    finally:
+        guard.activate() if was_active else guard.deactivate()
+    strategy = guard.status().strategy
+    exposed = any(c["rows_wrong_without_guard"] for c in cases)
+    passed = all(c["hookless_untouched"] for c in cases) and (
+        all(c["identical_with_guard"] for c in cases) if strategy == "flag"
+        else not exposed  # nothing installed: SGLang has to get it right by itself
+    )
+    return {
+        "device": device,
+        "strategy": strategy,
+        "exposed_without_guard": exposed,
+        "passed": passed,
+        "seconds": round(time.perf_counter() - started, 2),
+        "cases": cases,
+    }
+
+
+def render(result: dict) -> list[str]:
+    lines = [f"Self-test ({result['device']}{', Triton interpreter' if result['device'] == 'cpu' else ''}, "
+             f"{result['seconds']} s): block-fp8 MoE, 4 experts, top-2, LoRA hooks, TMA requested"]
+    for c in result["cases"]:
+        with_guard = ("bit-identical" if c["identical_with_guard"]
+                      else f"max diff {c['max_abs_diff_with_guard']:.3g}") if c["guard_installed"] else "not installed"
+        lines.append(
+            f"  {c['tokens']:>3} tokens: without the guard {c['rows_wrong_without_guard']}/{c['tokens']} rows wrong; "
+            f"with it {with_guard}; hook-less calls {'untouched' if c['hookless_untouched'] else 'CHANGED'}"
+        )
+    lines.append(f"  {'PASS' if result['passed'] else 'FAIL'}")
+    return lines
