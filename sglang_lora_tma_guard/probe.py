@@ -128,7 +128,7 @@ def small_config(block_m: int = 16) -> dict:
     """A kernel config small enough for Triton's CPU interpreter."""
     return {
         "BLOCK_SIZE_M": block_m,
-        "BLOCK_SIZE_N": 64,
+        "BLOCK_SIZE_N": 128,
         "BLOCK_SIZE_K": FP8_BLOCK[1],
         "GROUP_SIZE_M": 1,
         "num_warps": 4,

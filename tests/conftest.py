@@ -9,3 +9,36 @@ os.environ.pop("SGLANG_LORA_TMA_GUARD", None)
 os.environ.pop("SGLANG_PLUGINS", None)
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fm():
+    """SGLang 0.5.16's fused-MoE module; fails the module's tests if one left the guard in place."""
+    from sglang_lora_tma_guard import probe
+    from sglang_lora_tma_guard.inspection import TARGET_NAME
+
+    module = probe.fused_moe_module()
+    original = getattr(module, TARGET_NAME)
+    yield module
+    assert getattr(module, TARGET_NAME) is original, "a test left the guard installed"
+
+
+class KernelSpy:
+    """Records the TMA arguments of every ``invoke_fused_moe_kernel`` call, then makes it."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append({k: kwargs.get(k, False) for k in ("a_use_tma", "b_use_tma", "c_sorted")})
+        return self.real(*args, **kwargs)
+
+
+@pytest.fixture
+def kernel_spy(fm, monkeypatch):
+    spy = KernelSpy(fm.invoke_fused_moe_kernel)
+    monkeypatch.setattr(fm, "invoke_fused_moe_kernel", spy)
+    return spy

@@ -18,14 +18,6 @@ pytestmark = pytest.mark.real
 SIZES = [1, 5, 24]
 
 
-@pytest.fixture(scope="module")
-def fm():
-    module = probe.fused_moe_module()
-    original = getattr(module, TARGET_NAME)
-    yield module
-    assert getattr(module, TARGET_NAME) is original, "a test left the guard installed"
-
-
 @pytest.fixture
 def sglang_plugins(fm, monkeypatch):
     """SGLang's own ``load_plugins()``, as a fresh process would run it; undone afterwards."""
@@ -86,24 +78,6 @@ def test_a_single_hook_is_enough_to_turn_tma_off(sglang_plugins, problems, gate_
     assert probe.compare(unguarded, reference).rows_wrong > 0
     sglang_plugins()
     assert torch.equal(probe.run_sequence(problem, use_tma=True, hooks=hooks), reference)
-
-
-class KernelSpy:
-    """Records the TMA arguments of every ``invoke_fused_moe_kernel`` call, then makes it."""
-
-    def __init__(self, real):
-        self.real, self.calls = real, []
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append({k: kwargs.get(k, False) for k in ("a_use_tma", "b_use_tma", "c_sorted")})
-        return self.real(*args, **kwargs)
-
-
-@pytest.fixture
-def kernel_spy(fm, monkeypatch):
-    spy = KernelSpy(fm.invoke_fused_moe_kernel)
-    monkeypatch.setattr(fm, "invoke_fused_moe_kernel", spy)
-    return spy
 
 
 def test_hookless_call_still_reaches_the_kernel_with_tma_on(sglang_plugins, problems, kernel_spy):
