@@ -1,7 +1,7 @@
 """Run in a spawned process, as an SGLang scheduler process is: load plugins, then one MoE call."""
 
 
-def scheduler_like(queue) -> None:
+def scheduler_like(queue, name: str = "") -> None:
     import sglang.srt.plugins
 
     sglang.srt.plugins.load_plugins()
@@ -13,5 +13,5 @@ def scheduler_like(queue) -> None:
     hooks = probe.lora_hooks(problem)
     reference = probe.run_sequence(problem, use_tma=False, hooks=hooks)
     result = probe.compare(probe.run_sequence(problem, use_tma=True, hooks=hooks), reference)
-    queue.put({"installed": guard.status().installed, "identical": result.identical,
+    queue.put({"name": name, "installed": guard.status().installed, "identical": result.identical,
                "rows_wrong": result.rows_wrong})

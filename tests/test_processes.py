@@ -1,36 +1,69 @@
-"""Processes started the way SGLang starts its schedulers (spawn) load and apply the guard."""
+"""Processes started the way SGLang starts its schedulers, and patch orders, on the real SGLang."""
 
 import multiprocessing
+import os
 
 import pytest
 
 import child
+import scenario
 
 pytestmark = pytest.mark.real
 
 
-def run_children(monkeypatch, env_value, count):
-    if env_value is None:
-        monkeypatch.delenv("SGLANG_LORA_TMA_GUARD", raising=False)
-    else:
-        monkeypatch.setenv("SGLANG_LORA_TMA_GUARD", env_value)
+def test_scheduler_like_processes_are_guarded_exactly_when_the_switch_is_on(monkeypatch):
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=child.scheduler_like, args=(queue,)) for _ in range(count)]
-    for proc in procs:
-        proc.start()
-    results = [queue.get(timeout=300) for _ in procs]
+    procs = []
+    # One scheduler per GPU rank: three with the switch on, two without, all at once.
+    for name, value in [("on-0", "1"), ("on-1", "true"), ("on-2", "ON"), ("off-0", None), ("off-1", "0")]:
+        if value is None:
+            monkeypatch.delenv("SGLANG_LORA_TMA_GUARD", raising=False)
+        else:
+            monkeypatch.setenv("SGLANG_LORA_TMA_GUARD", value)
+        proc = ctx.Process(target=child.scheduler_like, args=(queue, name))
+        proc.start()  # a spawned child takes the environment as it is now
+        procs.append(proc)
+    results = {}
+    for _ in procs:
+        result = queue.get(timeout=600)
+        results[result.pop("name")] = result
     for proc in procs:
         proc.join(timeout=60)
         assert proc.exitcode == 0
-    return results
+    guarded = {"installed": True, "identical": True, "rows_wrong": 0}
+    unguarded = {"installed": False, "identical": False, "rows_wrong": 4}
+    assert results == {"on-0": guarded, "on-1": guarded, "on-2": guarded,
+                       "off-0": unguarded, "off-1": unguarded}
 
 
-def test_spawned_processes_with_the_switch_on_are_guarded(monkeypatch):
-    results = run_children(monkeypatch, "1", count=2)
-    assert results == [{"installed": True, "identical": True, "rows_wrong": 0}] * 2
+ORDERS = """
+import sglang.srt.plugins as plugins
+import wrapt
+if IMPORT_FIRST:
+    m = fm()
+plugins.load_plugins()
+loaded_before_import = TARGET in sys.modules
+m = fm()
+original = wrapt.unwrapped(m._fused_moe_kernel_sequence)
+plugins._plugins_loaded = False
+plugins.load_plugins()          # a second load, as a second Engine in one process would do
+once = m._fused_moe_kernel_sequence.__wrapped__ is original
+states = []
+for _ in range(2):
+    g.deactivate(); states.append(m._fused_moe_kernel_sequence is original)
+    g.activate(); states.append(m._fused_moe_kernel_sequence.__wrapped__ is original)
+g.deactivate()
+result = dict(loaded_before_import=loaded_before_import, once=once, states=states,
+              restored=m._fused_moe_kernel_sequence is original,
+              log_lines=log().count("strategy FLAG"))
+"""
 
 
-def test_spawned_process_with_the_switch_unset_is_not(monkeypatch):
-    [result] = run_children(monkeypatch, None, count=1)
-    assert result == {"installed": False, "identical": False, "rows_wrong": 4}
+@pytest.mark.parametrize("import_first", [True, False], ids=["module-first", "plugin-first"])
+def test_patch_orders_on_real_sglang(import_first):
+    result = scenario.run(f"IMPORT_FIRST = {import_first}\n" + ORDERS, None,
+                          {"SGLANG_LORA_TMA_GUARD": "1", "TRITON_INTERPRET": "1"}, timeout=300)
+    assert result["loaded_before_import"] is import_first
+    assert result["once"] and result["restored"] and result["states"] == [True] * 4
+    assert result["log_lines"] == 3  # the first install and the two re-activations

@@ -138,3 +138,63 @@ def test_guard_holds_in_a_caller_compiled_by_torch_compile(sglang_plugins, fm, p
     guard.deactivate()
     torch._dynamo.reset()
     assert probe.compare(compiled(probe.lora_hooks(problem)), references[5]).rows_wrong == 5
+
+
+# Failures pass through unchanged: the caller sees SGLang's own behaviour and exception.
+
+
+def outcome(call):
+    try:
+        return ("returned", call())
+    except Exception as exc:  # noqa: BLE001 - the point is to compare whatever comes out
+        return ("raised", type(exc), str(exc))
+
+
+def both_ways(sglang_plugins, call):
+    guard.deactivate()
+    without = outcome(call)
+    sglang_plugins()
+    return without, outcome(call)
+
+
+def test_an_exception_from_a_hook_reaches_the_caller_unchanged(sglang_plugins, problems):
+    failure = RuntimeError("adapter weights missing")
+
+    def broken_hook(*_):
+        raise failure
+
+    from sglang.srt.lora.lora_moe_runners import LoRAHooks
+
+    sglang_plugins()
+    with pytest.raises(RuntimeError) as caught:
+        probe.run_sequence(problems[5], use_tma=True, hooks=LoRAHooks(after_down=broken_hook))
+    assert caught.value is failure
+
+
+def test_sglangs_own_errors_are_the_same_with_and_without_the_guard(sglang_plugins, problems):
+    problem = problems[5]
+    hooks = probe.lora_hooks(problem)
+    bad_activation = lambda: probe.run_sequence(problem, use_tma=True, hooks=hooks,  # noqa: E731
+                                                activation="swish", is_gated=True)
+    without, with_guard = both_ways(sglang_plugins, bad_activation)
+    assert without[0] == "raised" and without == with_guard
+
+
+def test_hooks_of_another_shape_meet_the_same_error_with_and_without_the_guard(sglang_plugins, problems):
+    from types import SimpleNamespace
+
+    problem = problems[5]
+    odd = SimpleNamespace(after_down=probe.lora_hooks(problem).after_down)  # no after_gate_up
+    without, with_guard = both_ways(
+        sglang_plugins, lambda: probe.run_sequence(problem, use_tma=True, hooks=odd))
+    assert without[0] == "raised" and without[1] is AttributeError and without == with_guard
+
+
+def test_hooks_with_extra_attributes_are_guarded_like_sglangs_own(sglang_plugins, problems, references):
+    from types import SimpleNamespace
+
+    problem = problems[5]
+    real = probe.lora_hooks(problem)
+    extra = SimpleNamespace(after_gate_up=real.after_gate_up, after_down=real.after_down, lora_ids=[0, 1])
+    sglang_plugins()
+    assert torch.equal(probe.run_sequence(problem, use_tma=True, hooks=extra), references[5])
