@@ -1,11 +1,14 @@
 """Am I affected, and am I protected?
 
     python -m sglang_lora_tma_guard.check [--json] [--selftest [--device cpu|cuda]]
+        [--model-path DIR --tp N [--ep N] [--device-name 'NVIDIA H200']]
 
 Reads the installed SGLang's ``_fused_moe_kernel_sequence`` (its signature and code), this
 package's entry point, ``SGLANG_PLUGINS`` and ``SGLANG_LORA_TMA_GUARD``, and tries the wrapper in
 this process. Runs without a GPU.
 
+With ``--model-path`` it also predicts, from the model's config.json and the installed SGLang's
+own config lookup, whether that deployment takes the TMA down path at all (see ``exposure``).
 With ``--selftest`` it also runs a tiny LoRA-hooked block-fp8 MoE through the installed SGLang,
 TMA requested, without and with the guard (on a GPU natively, else through Triton's interpreter).
 
@@ -27,7 +30,7 @@ import sys
 import warnings
 from importlib import metadata
 
-from . import __version__, guard, selftest
+from . import __version__, exposure, guard, selftest
 from .inspection import (
     FLAG_PARAM,
     HOOKS_PARAM,
@@ -271,6 +274,27 @@ def render(report: dict) -> str:
             f"  {ENV_VAR} {value} ({state})",
             f"  wrapper installs  {yes_no[guarded['wrapper_installs']]}",
         ]
+    found = report.get("exposure")
+    if found:
+        lines += ["", "Exposure"]
+        if found.get("error"):
+            lines.append(f"  error             {found['error']}")
+        else:
+            shape = found["shape"]
+            block = "x".join(map(str, shape["block_shape"])) if shape["block_shape"] else "none"
+            fused = f" + {shape['fused_shared_experts']} fused shared" if shape["fused_shared_experts"] else ""
+            on = [m for m, tma in found["buckets"].items() if tma]
+            lines += [
+                f"  model             {found['model_path']} ({shape['architecture']})",
+                f"  per rank          E={shape['experts_per_rank']} ({shape['routed_experts']} routed / ep {shape['ep']}"
+                f"{fused}), N={shape['intermediate_per_shard']}, hidden {shape['hidden_size']}, top-{shape['topk']}",
+                f"  weights           {shape['dtype'] or 'bf16/fp16'}, fp8 block {block}",
+                f"  device            {found['device_name']}",
+                f"  down config       {found['down_config_file']}",
+                f"  TMA down path     "
+                + (f"batch sizes {_ranges(on)}: {len(on)} of {len(found['buckets'])} tuned buckets "
+                   "(larger batches use the largest)" if on else f"never ({len(found['buckets'])} tuned buckets)"),
+            ]
     result = report.get("selftest")
     if result:
         lines.append("")
@@ -294,16 +318,64 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="self-test device (default: cuda if present, else the CPU interpreter)")
+    model = parser.add_argument_group("exposure of one deployment")
+    model.add_argument("--model-path", help="a Hugging Face model folder, or its config.json")
+    model.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    model.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1)")
+    model.add_argument("--device-name", help="ask about this GPU (as torch names it, e.g. 'NVIDIA H200') "
+                                             "instead of the one here")
+    model.add_argument("--no-shared-experts-fusion", action="store_true",
+                       help="the server runs with --disable-shared-experts-fusion")
     args = parser.parse_args(argv)
     logging.getLogger("sglang").setLevel(logging.ERROR)
     if args.selftest:
         device = selftest.prepare(args.device)  # before SGLang is imported
     report = build_report()
+    if args.model_path:
+        report["exposure"] = _exposure(report, args)
+        _apply_exposure(report)
     if args.selftest:
         report["selftest"] = _run_selftest(report, device)
         _apply_selftest(report)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return report["verdict"]["exit_code"]
+
+
+def _exposure(report: dict, args) -> dict:
+    if not report["target"]["importable"]:
+        return {"error": report["target"]["error"]}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return exposure.predict(args.model_path, args.tp, args.ep, args.device_name,
+                                    not args.no_shared_experts_fusion)
+    except exposure.ExposureError as exc:
+        return {"error": str(exc)}
+
+
+def _apply_exposure(report: dict) -> None:
+    found, verdict_ = report["exposure"], report["verdict"]
+    if found.get("error"):
+        report["verdict"] = _verdict("unknown", EXIT_UNKNOWN, found["error"])
+        return
+    shape = found["shape"]
+    where = (f"{shape['architecture']} at tp {shape['tp']}, ep {shape['ep']} on "
+             f"{found['device_name']}")
+    if verdict_["status"] in ("exposed", "protected") and not found["tma_anywhere"]:
+        report["verdict"] = _verdict(
+            "not-affected", EXIT_OK,
+            f"{where} never takes the TMA down path: no tuned down config for E={shape['experts_per_rank']}, "
+            f"N={shape['intermediate_per_shard']} says USE_TMA")
+    elif found["tma_anywhere"] and verdict_["status"] in ("exposed", "protected"):
+        on = [m for m, tma in found["buckets"].items() if tma]
+        report["verdict"] = _verdict(
+            verdict_["status"], verdict_["exit_code"],
+            f"{where} takes the TMA down path at batch sizes {_ranges(on)}. " + verdict_["message"])
+
+
+def _ranges(sizes) -> str:
+    sizes = sorted(int(m) for m in sizes)
+    return f"{sizes[0]}-{sizes[-1]}" if len(sizes) > 2 else ", ".join(map(str, sizes))
 
 
 def _run_selftest(report: dict, device: str) -> dict:
