@@ -114,8 +114,15 @@ def target_report() -> tuple[dict, object | None]:
             f"positional #{inspection.flag_index}" if inspection.flag_index is not None else None
         ),
         hooks_parameter=_hooks_kind(original),
+        fallback_covers=_fallback_covers() if inspection.strategy is Strategy.FALLBACK else None,
     )
     return report, original
+
+
+def _fallback_covers() -> str:
+    from .fallback import COVERED
+
+    return COVERED
 
 
 def _find_spec(name: str):
@@ -155,7 +162,7 @@ def guard_report(strategy: str | None) -> dict:
         "admitted_by_sglang_plugins": admitted,
         "wrapper_installs": None,
     }
-    if strategy == Strategy.FLAG.value:
+    if strategy in (Strategy.FLAG.value, Strategy.FALLBACK.value):
         report["wrapper_installs"] = _try_the_wrapper()
     return report
 
@@ -200,6 +207,12 @@ def verdict(env: dict, target: dict, guarded: dict | None) -> dict:
             "exposed", EXIT_EXPOSED,
             f"SGLang {version} can run LoRA hooks on the TMA down path and the guard is not on: "
             + "; ".join(missing),
+        )
+    if strategy == Strategy.FALLBACK.value:
+        return _verdict(
+            "protected", EXIT_OK,
+            f"SGLang {version} is affected; every SGLang process will run LoRA-hooked MoE calls on "
+            "the guard's own route-major kernels (calls they do not cover are refused with an error)",
         )
     return _verdict(
         "protected", EXIT_OK,
@@ -261,6 +274,8 @@ def render(report: dict) -> str:
             f"  native guard      {'found' if target['native_guard'] else 'not found'}",
             f"  strategy          {target['strategy']}: {target['reason']}",
         ]
+        if target.get("fallback_covers"):
+            lines.append(f"  fallback covers   {target['fallback_covers']}")
     if guarded:
         switch = guarded["switch"]
         value = "unset" if switch["value"] is None else repr(switch["value"])

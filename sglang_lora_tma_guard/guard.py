@@ -18,6 +18,7 @@ compiled caller does not run guards nothing.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -80,7 +81,9 @@ def hooks_touch_buffers(hooks) -> bool:
 
 
 def make_guarded(original, inspection: Inspection):
-    """Build the replacement for ``original`` from its inspection (strategy FLAG)."""
+    """Build the replacement for ``original`` from its inspection (strategy FLAG or FALLBACK)."""
+    if inspection.strategy is Strategy.FALLBACK:
+        return _make_fallback_guarded(original, inspection)
     flag_at = inspection.flag_index
     hooks_at = inspection.hooks_index
 
@@ -98,6 +101,43 @@ def make_guarded(original, inspection: Inspection):
             elif "down_moe_use_tma" in kwargs:
                 kwargs["down_moe_use_tma"] = False
         return original(*args, **kwargs)
+
+    setattr(_fused_moe_kernel_sequence, _MARKER, inspection)
+    return _fused_moe_kernel_sequence
+
+
+def _make_fallback_guarded(original, inspection: Inspection):
+    """Hooked calls go to the route-major fallback, their arguments bound by name; others to SGLang."""
+    from . import fallback  # Triton is imported only where this strategy applies
+
+    signature = inspect.signature(original)
+    hooks_at = inspection.hooks_index
+
+    @functools.wraps(original)
+    def _fused_moe_kernel_sequence(*args, **kwargs):
+        if hooks_at is not None and len(args) > hooks_at:
+            hooks = args[hooks_at]
+        else:
+            hooks = kwargs.get("hooks")
+        if hooks is None or not hooks_touch_buffers(hooks):
+            return original(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # SGLang raises its own error about the arguments
+        bound.apply_defaults()
+        # TMA switches, whatever their name, do not matter here: the fallback never uses TMA.
+        unknown = sorted(
+            name for name, value in bound.arguments.items()
+            if name not in fallback.KNOWN and "tma" not in name
+            and value is not signature.parameters[name].default
+        )
+        if unknown:
+            raise fallback.FallbackUnsupported(
+                f"sglang-lora-tma-guard: the fallback does not know the arguments {unknown} of this "
+                f"SGLang's {TARGET_NAME}; refusing rather than risking garbled output"
+            )
+        return fallback.fused_moe_hooked(bound.arguments)
 
     setattr(_fused_moe_kernel_sequence, _MARKER, inspection)
     return _fused_moe_kernel_sequence
@@ -196,7 +236,7 @@ def _install(module) -> None:
     note = version_note(version)
     if note:
         logger.info("sglang-lora-tma-guard: %s", note)
-    if inspection.strategy is Strategy.FLAG:
+    if inspection.strategy in (Strategy.FLAG, Strategy.FALLBACK):
         _installed = wrapt.wrap_object(module, TARGET_NAME, make_guarded, (inspection,))
         logger.info(
             "sglang-lora-tma-guard: SGLang %s, strategy %s: %s in %s",

@@ -43,8 +43,12 @@ class Strategy(enum.Enum):
     ABSENT = "absent"
     """No fused-MoE sequence with LoRA hooks (SGLang before 0.5.11): nothing to guard."""
 
+    FALLBACK = "fallback"
+    """Hooks exist but no ``down_moe_use_tma`` can be turned off: hooked calls run on this
+    package's own route-major kernels (:mod:`sglang_lora_tma_guard.fallback`)."""
+
     UNSUPPORTED = "unsupported"
-    """Hooks exist but there is no ``down_moe_use_tma`` to turn off: left unpatched, with a warning."""
+    """The function cannot be read: left unpatched, with a warning."""
 
 
 @dataclass(frozen=True)
@@ -75,15 +79,14 @@ def inspect_target(func) -> Inspection:
         return Inspection(
             Strategy.NATIVE, "SGLang already sets down_moe_use_tma=False when LoRA hooks are set"
         )
-    if FLAG_PARAM not in params:
-        return Inspection(
-            Strategy.UNSUPPORTED,
-            f"{TARGET} takes '{HOOKS_PARAM}' but no '{FLAG_PARAM}' parameter the guard could turn off",
-        )
     flag_index = _positional_index(params, FLAG_PARAM)
     if flag_index is None:
+        missing = "no" if FLAG_PARAM not in params else "no positional"
         return Inspection(
-            Strategy.UNSUPPORTED, f"'{FLAG_PARAM}' of {TARGET} is not a positional parameter"
+            Strategy.FALLBACK,
+            f"{TARGET} takes '{HOOKS_PARAM}' but has {missing} '{FLAG_PARAM}' to turn off: hooked calls "
+            "run on this package's route-major kernels",
+            hooks_index=_positional_index(params, HOOKS_PARAM),
         )
     return Inspection(
         Strategy.FLAG,

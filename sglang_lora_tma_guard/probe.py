@@ -233,27 +233,17 @@ def run_sequence(problem: MoEProblem, *, use_tma: bool, hooks=None, function=Non
     if function is None:
         function = getattr(fused_moe_module(), TARGET_NAME)
     sorted_ids, expert_ids, post_padded = problem.alignment
-    positional = {
-        "hidden_states": problem.hidden_states.clone(),
-        "w1": problem.w1,
-        "w2": problem.w2,
-        "topk_weights": problem.topk_weights,
-        "topk_ids": problem.topk_ids,
-        "sorted_token_ids": sorted_ids,
-        "expert_ids": expert_ids,
-        "num_tokens_post_padded": post_padded,
-        "config": dict(problem.config),
-        "down_config": dict(problem.down_config),
-        "down_moe_use_tma": use_tma,
-        "up_moe_use_tma": False,  # 0.5.18+: TMA for the gate-up GEMM, not what is tested here
-    }
-    params = inspect.signature(function).parameters
-    names = [p.name for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
-    kwargs = {**sequence_kwargs(problem, hooks), **overrides}
-    return function(
-        *(positional[name] for name in names),
-        **{k: v for k, v in kwargs.items() if k in params},
+    # The eleven leading arguments go by position, as every SGLang caller passes them (a fork may
+    # have renamed one); a later positional one (0.5.18+: up_moe_use_tma) gets False.
+    leading = (
+        problem.hidden_states.clone(), problem.w1, problem.w2, problem.topk_weights, problem.topk_ids,
+        sorted_ids, expert_ids, post_padded, dict(problem.config), dict(problem.down_config), use_tma,
     )
+    params = inspect.signature(function).parameters
+    extra = [p.name for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD][len(leading):]
+    trailing = [{"up_moe_use_tma": False}[name] for name in extra]
+    kwargs = {**sequence_kwargs(problem, hooks), **overrides}
+    return function(*leading, *trailing, **{k: v for k, v in kwargs.items() if k in params})
 
 
 def sequence_kwargs(problem: MoEProblem, hooks) -> dict:
@@ -293,6 +283,8 @@ class Comparison:
     max_abs_diff: float
     max_rel_err: float
     identical: bool
+    rel_err: float
+    """Relative L2 error of the whole output."""
 
     def __str__(self) -> str:
         verdict = "bit-identical" if self.identical else f"{self.rows_wrong}/{self.rows} rows wrong"
@@ -314,4 +306,5 @@ def compare(output: torch.Tensor, reference: torch.Tensor) -> Comparison:
         max_abs_diff=float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0,
         max_rel_err=float(rel.nan_to_num(nan=float("inf")).max()) if rel.numel() else 0.0,
         identical=torch.equal(output, reference),
+        rel_err=float((out - ref).norm() / ref.norm().clamp(min=1e-12)),
     )

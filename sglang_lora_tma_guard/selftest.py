@@ -59,6 +59,9 @@ def run(device: str) -> dict:
                 "max_rel_err_without_guard": without.max_rel_err,
                 "guard_installed": installed,
                 "identical_with_guard": with_.identical,
+                # The fallback's own kernels round differently: 2% relative (L2) is its contract.
+                "within_tolerance_with_guard": with_.rel_err <= 0.02,
+                "rel_err_with_guard": with_.rel_err,
                 "max_abs_diff_with_guard": with_.max_abs_diff,
                 "hookless_untouched": bool(torch.equal(hookless_on, hookless_off)),
             })
@@ -68,6 +71,7 @@ def run(device: str) -> dict:
     exposed = any(c["rows_wrong_without_guard"] for c in cases)
     passed = all(c["hookless_untouched"] for c in cases) and (
         all(c["identical_with_guard"] for c in cases) if strategy == "flag"
+        else all(c["within_tolerance_with_guard"] for c in cases) if strategy == "fallback"
         else not exposed  # nothing installed: SGLang has to get it right by itself
     )
     return {
@@ -85,7 +89,7 @@ def render(result: dict) -> list[str]:
              f"{result['seconds']} s): block-fp8 MoE, 4 experts, top-2, LoRA hooks, TMA requested"]
     for c in result["cases"]:
         with_guard = ("bit-identical" if c["identical_with_guard"]
-                      else f"max diff {c['max_abs_diff_with_guard']:.3g}") if c["guard_installed"] else "not installed"
+                      else f"relative error {c['rel_err_with_guard']:.2%}") if c["guard_installed"] else "not installed"
         lines.append(
             f"  {c['tokens']:>3} tokens: without the guard {c['rows_wrong_without_guard']}/{c['tokens']} rows wrong; "
             f"with it {with_guard}; hook-less calls {'untouched' if c['hookless_untouched'] else 'CHANGED'}"

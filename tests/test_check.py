@@ -66,7 +66,7 @@ class TestOnRealSGLang:
 @pytest.mark.parametrize(
     "version, shape, code, status",
     [("0.5.17", "0.5.17", 0, "NOT-AFFECTED"), ("0.5.23", "0.5.23", 0, "NOT-AFFECTED"),
-     ("0.5.16.dev3+renamed", None, 1, "EXPOSED"), ("0.5.11", "0.5.11", 0, "PROTECTED")],
+     ("0.5.16.dev3+renamed", None, 0, "PROTECTED"), ("0.5.11", "0.5.11", 0, "PROTECTED")],
 )
 def test_verdict_per_release_shape(tmp_path, version, shape, code, status):
     returncode, out, _ = run_check(tree=write_tree(tmp_path, version, shape),

@@ -16,7 +16,7 @@ EXPECTED = {
     "0.5.16": Strategy.FLAG,
     "0.5.17": Strategy.NATIVE,
     "0.5.23": Strategy.NATIVE,
-    "0.5.16.dev3+renamed": Strategy.UNSUPPORTED,
+    "0.5.16.dev3+renamed": Strategy.FALLBACK,
 }
 
 
@@ -56,13 +56,13 @@ def test_function_without_hooks_means_nothing_to_guard():
     assert inspect_target(_fused_moe_kernel_sequence).strategy is Strategy.ABSENT
 
 
-def test_keyword_only_flag_is_unsupported():
+def test_keyword_only_flag_goes_to_the_fallback():
     def _fused_moe_kernel_sequence(hidden_states, *, down_moe_use_tma, hooks=None):
         return hidden_states
 
     inspection = inspect_target(_fused_moe_kernel_sequence)
-    assert inspection.strategy is Strategy.UNSUPPORTED
-    assert "not a positional parameter" in inspection.reason
+    assert inspection.strategy is Strategy.FALLBACK
+    assert "no positional 'down_moe_use_tma'" in inspection.reason
 
 
 def test_unreadable_signature_is_unsupported_not_an_error():

@@ -123,3 +123,24 @@ def test_positional_hooks_parameter_is_honoured():
     assert inspection.hooks_index == 2
     make_guarded(_fused_moe_kernel_sequence, inspection)(0, True, SimpleNamespace(after_gate_up=noop))
     assert seen["tma"] is False
+
+
+def test_fallback_wrapper_sends_hookless_calls_to_sglang_and_refuses_unknown_arguments():
+    from sglang_lora_tma_guard.fallback import FallbackUnsupported
+    from sglang_lora_tma_guard.inspection import Strategy
+
+    seen = []
+
+    def _fused_moe_kernel_sequence(hidden_states, down_use_tma, *, hooks=None, secret_mode=None):
+        seen.append(down_use_tma)
+        return "sglang"
+
+    inspection = inspect_target(_fused_moe_kernel_sequence)
+    assert inspection.strategy is Strategy.FALLBACK
+    wrapper = make_guarded(_fused_moe_kernel_sequence, inspection)
+    assert wrapper(0, True) == "sglang" and seen == [True]
+    hooks = SimpleNamespace(after_gate_up=noop, after_down=None)
+    with pytest.raises(FallbackUnsupported, match=r"\['secret_mode'\]"):
+        wrapper(0, True, hooks=hooks, secret_mode="on")
+    with pytest.raises(TypeError):  # arguments SGLang itself would reject: SGLang's own error
+        wrapper(0, True, 1, 2, hooks=hooks)

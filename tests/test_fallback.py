@@ -1,0 +1,222 @@
+"""The route-major fallback kernels against a plain PyTorch reference and against SGLang itself.
+
+On the CPU, through Triton's interpreter. The interpreter rounds float32 -> fp8 differently from
+GPUs and from PyTorch, so the reference is handed the interpreter's own cast (fp8 cases only).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from sglang_lora_tma_guard import fallback, probe
+
+pytestmark = pytest.mark.real
+
+
+@triton.jit
+def _to_fp8_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def interpreter_fp8(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    out = torch.empty(t.shape, dtype=torch.float8_e4m3fn)
+    _to_fp8_kernel[(triton.cdiv(t.numel(), 1024),)](t, out, t.numel(), BLOCK=1024)
+    return out
+
+
+def rel_err(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+def call_args(problem, hooks, **overrides) -> dict:
+    """The arguments of a hooked _fused_moe_kernel_sequence call, bound by name."""
+    sorted_ids, expert_ids, post_padded = problem.alignment
+    args = dict(hidden_states=problem.hidden_states.clone(), w1=problem.w1, w2=problem.w2,
+                topk_weights=problem.topk_weights, topk_ids=problem.topk_ids,
+                sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=post_padded,
+                config=dict(problem.config), down_config=dict(problem.down_config),
+                swiglu_limit=None, gate_up_interleaved=True)
+    args.update(probe.sequence_kwargs(problem, hooks))
+    args.update(overrides)
+    return args
+
+
+def with_dtype(problem, dtype):
+    """The same layer with dequantized bf16/fp16 weights instead of block-fp8 ones."""
+    def dequantize(w, scale):
+        full = scale.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
+        return (w.float() * full).to(dtype)
+
+    problem.w1, problem.w2 = dequantize(problem.w1, problem.w1_scale), dequantize(problem.w2, problem.w2_scale)
+    problem.hidden_states = problem.hidden_states.to(dtype)
+    problem.lora = {k: v.to(dtype) for k, v in problem.lora.items()}
+    return {"use_fp8_w8a8": False, "w1_scale": None, "w2_scale": None, "block_shape": None}
+
+
+def route(problem, experts_used=None, filtered=0.0, seed=0):
+    """Re-route the problem: only the first ``experts_used`` experts get routes; some become -1."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, topk = problem.topk_ids.shape
+    scores = torch.randn(tokens, problem.num_experts, generator=gen)
+    if experts_used is not None:
+        scores[:, experts_used:] -= 1e3
+    weights, ids = torch.topk(scores.softmax(-1), topk, dim=-1)
+    if filtered:
+        ids[torch.rand(ids.shape, generator=gen) < filtered] = -1
+    problem.topk_weights, problem.topk_ids = weights.float(), ids.to(torch.int32)
+    problem.__dict__.pop("alignment", None)
+
+
+CASES = {
+    "1-token": dict(make=dict(num_tokens=1, num_experts=4, topk=2)),
+    "ragged-empty-experts": dict(make=dict(num_tokens=13, num_experts=8, topk=3), experts_used=3),
+    "topk-9": dict(make=dict(num_tokens=5, num_experts=16, topk=9)),
+    "257-experts": dict(make=dict(num_tokens=6, num_experts=257, topk=8)),
+    "filtered-experts": dict(make=dict(num_tokens=10, num_experts=6, topk=2), filtered=0.3,
+                             over=dict(filter_expert=True)),
+    "not-inplace": dict(make=dict(num_tokens=7, num_experts=4, topk=2), over=dict(inplace=False)),
+    "no-combine": dict(make=dict(num_tokens=7, num_experts=4, topk=2), over=dict(inplace=False, no_combine=True)),
+    "router-weight-first": dict(make=dict(num_tokens=9, num_experts=4, topk=1),
+                                over=dict(apply_router_weight_on_input=True)),
+    "scaling-factor": dict(make=dict(num_tokens=9, num_experts=4, topk=3), over=dict(routed_scaling_factor=2.5)),
+    "gelu": dict(make=dict(num_tokens=9, num_experts=4, topk=2), over=dict(activation="gelu")),
+    "block-m-32": dict(make=dict(num_tokens=40, num_experts=4, topk=2, config=probe.small_config(32))),
+    "fp16-weights": dict(make=dict(num_tokens=11, num_experts=6, topk=2), dtype=torch.float16),
+    "fp16-bias": dict(make=dict(num_tokens=11, num_experts=6, topk=2), dtype=torch.float16, bias=True),
+    "fp8-bias": dict(make=dict(num_tokens=11, num_experts=6, topk=2), bias=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fallback_matches_the_pytorch_reference(fm, name):
+    case = CASES[name]
+    problem = probe.make_problem(hidden=128, intermediate=128, seed=len(name), **case["make"])
+    if "experts_used" in case or "filtered" in case:
+        route(problem, case.get("experts_used"), case.get("filtered", 0.0), seed=len(name))
+    over = dict(case.get("over", {}))
+    if "dtype" in case:
+        over.update(with_dtype(problem, case["dtype"]))
+    if case.get("bias"):
+        gen = torch.Generator().manual_seed(1)
+        dtype = problem.hidden_states.dtype
+        over["b1"] = (torch.randn(problem.num_experts, problem.w1.shape[1], generator=gen) * 0.1).to(dtype)
+        over["b2"] = (torch.randn(problem.num_experts, problem.w2.shape[1], generator=gen) * 0.1).to(dtype)
+    hooks = probe.lora_hooks(problem)
+    ours = fallback.fused_moe_hooked(call_args(problem, hooks, **over))
+    reference = fallback.reference_moe(call_args(problem, hooks, **over), to_fp8=interpreter_fp8)
+    assert ours.shape == reference.shape
+    assert torch.isfinite(ours).all()
+    assert rel_err(ours, reference) < 2e-3, rel_err(ours, reference)
+
+
+def test_inplace_writes_into_hidden_states_and_no_combine_keeps_routes(fm):
+    problem = probe.make_problem(num_tokens=5, hidden=128, intermediate=128, seed=3)
+    hooks = probe.lora_hooks(problem)
+    args = call_args(problem, hooks)
+    out = fallback.fused_moe_hooked(args)
+    assert out is args["hidden_states"]
+    routes = fallback.fused_moe_hooked(call_args(problem, hooks, inplace=False, no_combine=True))
+    assert routes.shape == (5, 2, 128)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 24])
+def test_fallback_agrees_with_sglangs_non_tma_path_within_2_percent(fm, tokens):
+    problem = probe.make_problem(num_tokens=tokens, seed=tokens)
+    hooks = probe.lora_hooks(problem)
+    reference = probe.run_sequence(problem, use_tma=False, hooks=hooks)  # SGLang 0.5.16 itself
+    ours = fallback.fused_moe_hooked(call_args(problem, hooks))
+    assert rel_err(ours, reference) < 0.02
+
+
+@pytest.mark.parametrize("overrides, phrase", [
+    (dict(use_int8_w8a16=True), "use_int8_w8a16=True"),
+    (dict(block_shape=None), "fp8 weights without a block shape"),
+    (dict(activation="swish"), "activation 'swish' (gated)"),
+    (dict(gemm1_alpha=1.7, gemm1_limit=7.0), "gemm1_alpha is set"),
+    (dict(a1_scale=torch.ones(1)), "a1_scale is set"),
+])
+def test_uncovered_calls_are_refused_loudly(fm, overrides, phrase):
+    problem = probe.make_problem(num_tokens=3, hidden=128, intermediate=128)
+    with pytest.raises(fallback.FallbackUnsupported) as caught:
+        fallback.fused_moe_hooked(call_args(problem, probe.lora_hooks(problem), **overrides))
+    message = str(caught.value)
+    assert phrase in message and "Covered:" in message and "0.5.17" in message
+
+
+def test_float32_activations_are_refused(fm):
+    problem = probe.make_problem(num_tokens=3, hidden=128, intermediate=128)
+    problem.hidden_states = problem.hidden_states.float()
+    with pytest.raises(fallback.FallbackUnsupported, match="activations in torch.float32"):
+        fallback.fused_moe_hooked(call_args(problem, probe.lora_hooks(problem)))
+
+
+# Through the plugin, on a copy of SGLang 0.5.16 whose flag was renamed, as a fork might.
+
+RENAMED_RUN = """
+import os, sys, torch
+import sglang.srt.plugins as plugins
+from sglang_lora_tma_guard import probe, status
+from sglang_lora_tma_guard.inspection import sglang_version
+if os.environ.get("LOAD_PLUGINS") == "1":
+    plugins.load_plugins()
+problem = probe.make_problem(num_tokens=int(sys.argv[1]), seed=int(sys.argv[1]))
+out = probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
+torch.save({"out": out, "status": status().as_dict(), "version": sglang_version()}, sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def renamed_sglang(tmp_path_factory):
+    """A copy of the installed SGLang (links, one file rewritten) with ``down_use_tma`` for the flag."""
+    import sglang
+
+    root = tmp_path_factory.mktemp("renamed")
+    source = Path(sglang.__file__).parent
+    shutil.copytree(source, root / "sglang", copy_function=os.symlink,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    module = root / "sglang/srt/layers/moe/moe_runner/triton_utils/fused_moe.py"
+    text = module.resolve().read_text()
+    assert text.count("down_moe_use_tma") > 5
+    module.unlink()
+    module.write_text(text.replace("down_moe_use_tma", "down_use_tma"))
+    dist = next(source.parent.glob("sglang-*.dist-info"))
+    (root / "sglang-0.5.16.dev0+renamed.dist-info").mkdir()
+    (root / "sglang-0.5.16.dev0+renamed.dist-info/METADATA").write_text(
+        (dist / "METADATA").read_text().replace("Version: 0.5.16", "Version: 0.5.16.dev0+renamed", 1))
+    return root
+
+
+def run_renamed(root, tokens, load_plugins, tmp_path):
+    out = tmp_path / f"out-{tokens}-{load_plugins}.pt"
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS",)}
+    env.update(PYTHONPATH=str(root), TRITON_INTERPRET="1", SGLANG_LORA_TMA_GUARD="1",
+               LOAD_PLUGINS="1" if load_plugins else "0")
+    proc = subprocess.run([sys.executable, "-c", RENAMED_RUN, str(tokens), str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", [3, 17])
+def test_renamed_flag_is_guarded_by_the_fallback_through_load_plugins(fm, renamed_sglang, tmp_path, tokens):
+    problem = probe.make_problem(num_tokens=tokens, seed=tokens)
+    reference = probe.run_sequence(problem, use_tma=False, hooks=probe.lora_hooks(problem))  # unmodified
+    guarded = run_renamed(renamed_sglang, tokens, True, tmp_path)
+    assert guarded["version"] == "0.5.16.dev0+renamed"
+    assert guarded["status"]["strategy"] == "fallback" and guarded["status"]["installed"]
+    assert rel_err(guarded["out"], reference) < 0.02
+    unguarded = run_renamed(renamed_sglang, tokens, False, tmp_path)
+    assert not unguarded["status"]["installed"]
+    assert probe.compare(unguarded["out"], reference).rows_wrong == tokens
