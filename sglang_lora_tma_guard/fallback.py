@@ -16,8 +16,10 @@ The sequence, with SGLang's contract:
 
 Both GEMMs walk SGLang's own expert-sorted route list (``sorted_token_ids`` / ``expert_ids``) a
 block of one expert's routes at a time, and store each result row at its route index. With
-block-wise fp8 weights the activations are quantized per 128-wide group inside the GEMM, as SGLang
-quantizes them before its GEMM: scale = max(|x|) / 448 per token and group. Expert id -1 (filtered
+block-wise fp8 weights the GEMM inputs are quantized per token and 128-wide group, as SGLang
+quantizes them (scale = max(|x|) / 448): the hidden states by a small kernel of their own, the
+activation inside the activation kernel, which writes both the bf16 buffer the hook sees and the
+fp8 copy the down GEMM reads. Expert id -1 (filtered
 out under expert parallelism) gives zero rows.
 
 Covered: bf16 or fp16 activations with weights of the same dtype, or block-wise fp8 w8a8 weights
@@ -61,16 +63,19 @@ class FallbackUnsupported(ValueError):
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, b_scale_ptr, topk_weights_ptr,
+    a_ptr, a_scale_ptr, b_ptr, c_ptr, bias_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
     N, K, num_routes, num_sorted,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_bias_e, stride_bias_n, stride_se, stride_sn, stride_sk,
     ROUTES_PER_A_ROW: tl.constexpr, GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
 ):
-    """C[route, n] = sum_k A[route // ROUTES_PER_A_ROW, k] * B[expert(route), n, k], route-major."""
+    """C[route, n] = sum_k A[route // ROUTES_PER_A_ROW, k] * B[expert(route), n, k], route-major.
+
+    With FP8, A holds fp8 values quantized per row and K group, their scales in A_SCALE.
+    """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(num_sorted, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -102,19 +107,17 @@ def _moe_gemm_kernel(
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
     if FP8:
         s_ptrs = b_scale_ptr + expert * stride_se + (offs_n // GROUP_N) * stride_sn
+        as_ptrs = a_scale_ptr + a_rows * stride_asm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k_tile * BLOCK_K
         a = tl.load(a_ptrs, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
-            # One K tile is one quantization group: per-row scale, as SGLang's per-token-group
-            # quantization computes it before its GEMM.
-            a32 = a.to(tl.float32)
-            a_scale = tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-10) / 448.0
-            a_q = tl.clamp(a32 * (1.0 / a_scale)[:, None], -448.0, 448.0).to(b.dtype)
+            # One K tile is one quantization group of A and of B.
+            a_scale = tl.load(as_ptrs + k_tile * stride_ask, mask=route_ok, other=0.0)
             b_scale = tl.load(s_ptrs + k_tile * stride_sk, mask=n_ok, other=0.0)
-            acc += tl.dot(a_q, b) * a_scale[:, None] * b_scale[None, :]
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         else:
             acc = tl.dot(a, b, acc=acc)
         a_ptrs += BLOCK_K * stride_ak
@@ -130,9 +133,27 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _gated_activation_kernel(x_ptr, out_ptr, half, stride_x, stride_out,
-                             GELU: tl.constexpr, BLOCK: tl.constexpr):
-    """out[r, i] = act(x[r, i]) * x[r, half + i]."""
+def _quantize_group(x, q_ptrs, s_ptr, ok):
+    """Store ``x`` (one row's K group, float32) as fp8 with scale max|x| / 448, as SGLang does."""
+    scale = tl.maximum(tl.max(tl.abs(tl.where(ok, x, 0.0))), 1e-10) / 448.0
+    tl.store(q_ptrs, tl.clamp(x * (1.0 / scale), -448.0, 448.0).to(q_ptrs.dtype.element_ty), mask=ok)
+    tl.store(s_ptr, scale)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr):
+    """Per-token, per-K-group fp8 quantization of the gate-up GEMM's input."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    ok = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    _quantize_group(x, q_ptr + row * stride_q + cols, s_ptr + row * stride_s + tl.program_id(1), ok)
+
+
+@triton.jit
+def _gated_activation_kernel(x_ptr, out_ptr, q_ptr, s_ptr, half, stride_x, stride_out, stride_q,
+                             stride_s, GELU: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r, i] = act(x[r, i]) * x[r, half + i]; with QUANTIZE also its fp8 form, BLOCK = group."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < half
@@ -142,7 +163,12 @@ def _gated_activation_kernel(x_ptr, out_ptr, half, stride_x, stride_out,
         act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
     else:
         act = gate / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+    out = (act * up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=ok)
+    if QUANTIZE:
+        # The down GEMM's input, quantized from the rounded values the hook will see.
+        _quantize_group(out.to(tl.float32), q_ptr + row * stride_q + cols,
+                        s_ptr + row * stride_s + tl.program_id(1), ok)
 
 
 def _tile(config: dict, block_m: int, fp8_group_k: int | None) -> dict:
@@ -158,17 +184,22 @@ def _tile(config: dict, block_m: int, fp8_group_k: int | None) -> dict:
     }
 
 
-def moe_gemm(a, w, out, *, w_scale, bias, topk_weights, sorted_ids, expert_ids, num_post_padded,
-             routes_per_a_row: int, mul_routed_weight: bool, tile: dict, group_n: int = 1) -> None:
-    """One expert GEMM over SGLang's sorted route list, written route-major into ``out`` (R, N)."""
+def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, expert_ids,
+             num_post_padded, routes_per_a_row: int, mul_routed_weight: bool, tile: dict,
+             group_n: int = 1) -> None:
+    """One expert GEMM over SGLang's sorted route list, written route-major into ``out`` (R, N).
+
+    ``a`` is fp8 with per-row, per-K-group ``a_scale`` when ``w_scale`` is given (block fp8).
+    """
     experts, n, k = w.shape
     grid = (triton.cdiv(sorted_ids.shape[0], tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
     fp8 = w_scale is not None
     _moe_gemm_kernel[grid](
-        a, w, out, bias if bias is not None else w, w_scale if fp8 else w, topk_weights,
-        sorted_ids, expert_ids, num_post_padded,
+        a, a_scale if fp8 else a, w, out, bias if bias is not None else w, w_scale if fp8 else w,
+        topk_weights, sorted_ids, expert_ids, num_post_padded,
         n, k, out.shape[0], sorted_ids.shape[0],
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        a.stride(0), a.stride(1), a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
+        w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
         ROUTES_PER_A_ROW=routes_per_a_row, GROUP_N=group_n,
@@ -177,14 +208,31 @@ def moe_gemm(a, w, out, *, w_scale, bias, topk_weights, sorted_ids, expert_ids, 
     )
 
 
-def gated_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    _quantize_kernel[(rows, scale.shape[1])](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
+                                             GROUP=group)
+    return q, scale
+
+
+def gated_activation(x: torch.Tensor, activation: str, group: int | None = None):
+    """The gated activation; with ``group`` also its fp8 form and scales for the down GEMM."""
     rows, width = x.shape
     half = width // 2
     out = torch.empty((rows, half), dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(half))
-    _gated_activation_kernel[(rows, triton.cdiv(half, block))](
-        x, out, half, x.stride(0), out.stride(0), GELU=activation == "gelu", BLOCK=block)
-    return out
+    block = group or min(1024, triton.next_power_of_2(half))
+    blocks = triton.cdiv(half, block)
+    if group:
+        q = torch.empty((rows, half), dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty((rows, blocks), dtype=torch.float32, device=x.device)
+    else:
+        q, scale = out, out
+    _gated_activation_kernel[(rows, blocks)](
+        x, out, q, scale, half, x.stride(0), out.stride(0), q.stride(0), scale.stride(0),
+        GELU=activation == "gelu", QUANTIZE=bool(group), BLOCK=block)
+    return (out, q, scale) if group else (out, out, None)
 
 
 def covered_or_raise(args: dict) -> None:
@@ -237,8 +285,9 @@ def fused_moe_hooked(args: dict) -> torch.Tensor:
     common = dict(topk_weights=weights, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   num_post_padded=num_post, group_n=group_n)
 
+    a1, a1_scale = quantize_per_group(hidden, group_k) if fp8 else (hidden, None)
     gate_up = torch.empty((tokens, topk, n), dtype=hidden.dtype, device=hidden.device)
-    moe_gemm(hidden, w1, gate_up.view(routes, n), w_scale=args["w1_scale"] if fp8 else None,
+    moe_gemm(a1, w1, gate_up.view(routes, n), a_scale=a1_scale, w_scale=args["w1_scale"] if fp8 else None,
              bias=args.get("b1"), routes_per_a_row=topk, mul_routed_weight=router_first,
              tile=_tile(config, block_m, group_k), **common)
     if hooks.after_gate_up is not None:
@@ -246,16 +295,20 @@ def fused_moe_hooked(args: dict) -> torch.Tensor:
 
     flat = gate_up.view(routes, n)
     if args["is_gated"]:
-        act = gated_activation(flat, args["activation"])
+        act, a2, a2_scale = gated_activation(flat, args["activation"], group_k if fp8 else None)
     else:
         act = {"silu": F.silu, "gelu": F.gelu, "relu2": lambda x: torch.square(F.relu(x))}[args["activation"]](flat)
+        a2, a2_scale = quantize_per_group(act, group_k) if fp8 else (act, None)
 
     down = torch.empty((tokens, topk, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
-    moe_gemm(act, w2, down.view(routes, w2.shape[1]), w_scale=args["w2_scale"] if fp8 else None,
+    moe_gemm(a2, w2, down.view(routes, w2.shape[1]), a_scale=a2_scale,
+             w_scale=args["w2_scale"] if fp8 else None,
              bias=args.get("b2"), routes_per_a_row=1,
              mul_routed_weight=not router_first and not no_combine,
              tile=_tile(down_config, block_m, group_k), **common)
     if hooks.after_down is not None:
+        # The hook may change act in place; the down GEMM has already read its fp8 copy, as
+        # SGLang's GEMM reads its own quantized copy.
         hooks.after_down(act, down, topk_weights, topk_ids)
 
     if no_combine:
