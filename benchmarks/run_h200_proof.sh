@@ -6,3 +6,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 benchmarks/h200_proof.py --out "${OUT:-results}" "$@"
 python3 benchmarks/wrapper_overhead.py
+python3 benchmarks/fallback_vs_sglang.py --out "${OUT:-results}"
