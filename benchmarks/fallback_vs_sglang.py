@@ -42,17 +42,6 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     return 2 * src.numel() / best
 
 
-def bound_args(probe, problem, hooks) -> dict:
-    sorted_ids, expert_ids, post_padded = problem.alignment
-    args = dict(hidden_states=problem.hidden_states.clone(), w1=problem.w1, w2=problem.w2,
-                topk_weights=problem.topk_weights, topk_ids=problem.topk_ids,
-                sorted_token_ids=sorted_ids, expert_ids=expert_ids,
-                num_tokens_post_padded=post_padded, config=dict(problem.config),
-                down_config=dict(problem.down_config), swiglu_limit=None, gate_up_interleaved=True)
-    args.update(probe.sequence_kwargs(problem, hooks))
-    return args
-
-
 def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -68,7 +57,7 @@ def measure(probe, fallback, shape, tokens, weights, bandwidth) -> dict:
         return probe.run_sequence(problem, use_tma=False, hooks=hooks)
 
     def ours():
-        return fallback.fused_moe_hooked(bound_args(probe, problem, hooks))
+        return fallback.fused_moe_hooked(probe.call_arguments(problem, hooks))
 
     eager_sglang, eager_ours = sglang(), ours()
     g_sglang, out_sglang = capture(sglang)
@@ -96,9 +85,9 @@ def reference_checks(probe, fallback) -> list[dict]:
         problem = probe.make_problem(num_tokens=tokens, num_experts=experts, topk=topk, hidden=256,
                                      intermediate=256, seed=tokens, device="cuda", dtype=torch.bfloat16)
         hooks = probe.lora_hooks(problem)
-        ours = fallback.fused_moe_hooked(bound_args(probe, problem, hooks))
+        ours = fallback.fused_moe_hooked(probe.call_arguments(problem, hooks))
         reference = fallback.reference_moe(
-            {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in bound_args(probe, problem, None).items()
+            {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in probe.call_arguments(problem, None).items()
              } | {"hooks": _cpu_hooks(probe, problem)})
         results.append({"tokens": tokens, "experts": experts, "topk": topk,
                         "rel_err_vs_reference": rel_err(ours.cpu(), reference)})

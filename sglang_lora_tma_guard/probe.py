@@ -246,6 +246,20 @@ def run_sequence(problem: MoEProblem, *, use_tma: bool, hooks=None, function=Non
     return function(*leading, *trailing, **{k: v for k, v in kwargs.items() if k in params})
 
 
+def call_arguments(problem: MoEProblem, hooks, **overrides) -> dict:
+    """A hooked call's arguments bound by name, as the fallback receives them (SGLang 0.5.16 names)."""
+    sorted_ids, expert_ids, post_padded = problem.alignment
+    args = dict(
+        hidden_states=problem.hidden_states.clone(), w1=problem.w1, w2=problem.w2,
+        topk_weights=problem.topk_weights, topk_ids=problem.topk_ids, sorted_token_ids=sorted_ids,
+        expert_ids=expert_ids, num_tokens_post_padded=post_padded, config=dict(problem.config),
+        down_config=dict(problem.down_config), down_moe_use_tma=True, swiglu_limit=None,
+        gate_up_interleaved=True, **sequence_kwargs(problem, hooks),
+    )
+    args.update(overrides)
+    return args
+
+
 def sequence_kwargs(problem: MoEProblem, hooks) -> dict:
     """The keyword arguments SGLang 0.5.16's Triton runner passes, for block-fp8 weights."""
     return dict(

@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
 
+from spies import KernelSpy  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def fm():
@@ -24,17 +26,6 @@ def fm():
     original = getattr(module, TARGET_NAME)
     yield module
     assert getattr(module, TARGET_NAME) is original, "a test left the guard installed"
-
-
-class KernelSpy:
-    """Records the TMA arguments of every ``invoke_fused_moe_kernel`` call, then makes it."""
-
-    def __init__(self, real):
-        self.real, self.calls = real, []
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append({k: kwargs.get(k, False) for k in ("a_use_tma", "b_use_tma", "c_sorted")})
-        return self.real(*args, **kwargs)
 
 
 @pytest.fixture

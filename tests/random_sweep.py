@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 import sglang_lora_tma_guard as guard  # noqa: E402
 from sglang_lora_tma_guard import probe  # noqa: E402
+from spies import KernelSpy  # noqa: E402
 
 SEED = 20261130
 HOOKS = ("gate_up", "down", "both", "neither")
@@ -76,17 +77,6 @@ def hooks_for(problem, kind):
         # Both shapes of "no hooks" SGLang produces: None, and LoRAHooks() with nothing set.
         return None if problem.hidden_states.shape[0] % 2 else probe.lora_hooks(problem, False, False)
     return probe.lora_hooks(problem, gate_up=kind in ("gate_up", "both"), down=kind in ("down", "both"))
-
-
-class KernelSpy:
-    """Records the TMA arguments of every ``invoke_fused_moe_kernel`` call, then makes it."""
-
-    def __init__(self, real):
-        self.real, self.calls = real, []
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append({k: kwargs.get(k, False) for k in ("a_use_tma", "b_use_tma", "c_sorted")})
-        return self.real(*args, **kwargs)
 
 
 def record_arrivals(fm, arrivals: list) -> None:

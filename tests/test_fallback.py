@@ -39,17 +39,7 @@ def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
 
 
-def call_args(problem, hooks, **overrides) -> dict:
-    """The arguments of a hooked _fused_moe_kernel_sequence call, bound by name."""
-    sorted_ids, expert_ids, post_padded = problem.alignment
-    args = dict(hidden_states=problem.hidden_states.clone(), w1=problem.w1, w2=problem.w2,
-                topk_weights=problem.topk_weights, topk_ids=problem.topk_ids,
-                sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=post_padded,
-                config=dict(problem.config), down_config=dict(problem.down_config),
-                swiglu_limit=None, gate_up_interleaved=True)
-    args.update(probe.sequence_kwargs(problem, hooks))
-    args.update(overrides)
-    return args
+call_args = probe.call_arguments
 
 
 def with_dtype(problem, dtype):
