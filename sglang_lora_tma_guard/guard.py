@@ -9,6 +9,9 @@ one SGLang 0.5.17 applies inside the function.
 
 What it does not do: calls without hooks keep TMA, and nothing else about a call changes.
 
+Where the installed function has no positional ``down_moe_use_tma`` to set (strategy FALLBACK),
+hooked calls run on :mod:`sglang_lora_tma_guard.fallback` instead, and hook-less ones on SGLang.
+
 The replacement is a plain ``functools.wraps`` closure, installed and removed with wrapt's
 ``wrap_object`` / ``unwrap_object``: TorchDynamo traces a plain function like any other, whereas a
 wrapt ``FunctionWrapper`` in the same place is skipped by it without a word, and a guard that a
