@@ -169,13 +169,15 @@ def guard_report(strategy: str | None) -> dict:
 
 def _try_the_wrapper() -> bool:
     """Install and remove the wrapper in this process, as a server process would install it."""
-    logging.getLogger("sglang_lora_tma_guard").setLevel(logging.WARNING)
-    was_active = guard.status().active
+    logger = logging.getLogger("sglang_lora_tma_guard")
+    level, was_active = logger.level, guard.status().active
+    logger.setLevel(logging.WARNING)  # the trial's install/remove lines are not news here
     try:
         return guard.activate().installed
     finally:
         if not was_active:
             guard.deactivate()
+        logger.setLevel(level)
 
 
 def verdict(env: dict, target: dict, guarded: dict | None) -> dict:

@@ -281,7 +281,7 @@ def fused_moe_hooked(args: dict) -> torch.Tensor:
     fp8 = bool(args["use_fp8_w8a8"])
     group_n, group_k = (args["block_shape"] if fp8 else (1, None))
     block_m = config["BLOCK_SIZE_M"]  # the route list is padded to this block size
-    weights = topk_weights.reshape(-1) if topk_weights.is_contiguous() else topk_weights.contiguous().view(-1)
+    weights = topk_weights.contiguous().view(-1)  # a view, unless SGLang passed a strided one
     common = dict(topk_weights=weights, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   num_post_padded=num_post, group_n=group_n)
 

@@ -239,11 +239,18 @@ def run_sequence(problem: MoEProblem, *, use_tma: bool, hooks=None, function=Non
         problem.hidden_states.clone(), problem.w1, problem.w2, problem.topk_weights, problem.topk_ids,
         sorted_ids, expert_ids, post_padded, dict(problem.config), dict(problem.down_config), use_tma,
     )
-    params = inspect.signature(function).parameters
-    extra = [p.name for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD][len(leading):]
+    extra, accepted = _call_shape(function)
     trailing = [{"up_moe_use_tma": False}[name] for name in extra]
     kwargs = {**sequence_kwargs(problem, hooks), **overrides}
-    return function(*leading, *trailing, **{k: v for k, v in kwargs.items() if k in params})
+    return function(*leading, *trailing, **{k: v for k, v in kwargs.items() if k in accepted})
+
+
+@functools.lru_cache(maxsize=8)
+def _call_shape(function) -> tuple[tuple[str, ...], frozenset[str]]:
+    """Positional parameters after the eleventh, and every parameter name, of ``function``."""
+    params = inspect.signature(function).parameters
+    positional = [p.name for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    return tuple(positional[11:]), frozenset(params)
 
 
 def call_arguments(problem: MoEProblem, hooks, **overrides) -> dict:
