@@ -104,11 +104,12 @@ def target_report() -> tuple[dict, object | None]:
     report["importable"] = True
     function = getattr(module, TARGET_NAME, None)
     original = inspect.unwrap(function) if function is not None else None
-    inspection = inspect_target(original)
+    inspection = inspect_target(original, weight_tma=not read_switch().plain)
     report.update(
         strategy=inspection.strategy.value,
         reason=inspection.reason,
-        native_guard=inspection.strategy is Strategy.NATIVE,
+        native_guard=inspection.native_guard,
+        weight_tma_unavailable=inspection.weight_tma_unavailable,
         location=_location(original),
         flag_parameter=(
             f"positional #{inspection.flag_index}" if inspection.flag_index is not None else None
@@ -162,39 +163,80 @@ def guard_report(strategy: str | None) -> dict:
         "admitted_by_sglang_plugins": admitted,
         "wrapper_installs": None,
     }
-    if strategy in (Strategy.FLAG.value, Strategy.FALLBACK.value):
-        report["wrapper_installs"] = _try_the_wrapper()
+    if Strategy(strategy).installs_wrapper:
+        report["wrapper_installs"] = _try_the_wrapper(weight_tma=not switch.plain)
     return report
 
 
-def _try_the_wrapper() -> bool:
+def _try_the_wrapper(weight_tma: bool) -> bool:
     """Install and remove the wrapper in this process, as a server process would install it."""
     logger = logging.getLogger("sglang_lora_tma_guard")
     level, was_active = logger.level, guard.status().active
     logger.setLevel(logging.WARNING)  # the trial's install/remove lines are not news here
     try:
-        return guard.activate().installed
+        return guard.activate(weight_tma=weight_tma).installed
     finally:
         if not was_active:
             guard.deactivate()
         logger.setLevel(level)
 
 
-def verdict(env: dict, target: dict, guarded: dict | None) -> dict:
-    version = env["sglang"]
+def verdict(report: dict) -> dict:
+    """The one verdict, from everything the report found: target, guard, exposure, self-test."""
+    version = report["environment"]["sglang"]
+    target, guarded = report["target"], report["guard"]
+    found, result = report.get("exposure") or {}, report.get("selftest") or {}
     if not target["importable"]:
         return _verdict("unknown", EXIT_UNKNOWN, target["error"])
-    strategy = target["strategy"]
-    if strategy == Strategy.NATIVE.value:
-        return _verdict("not-affected", EXIT_OK, f"SGLang {version} turns TMA off for LoRA-hooked calls itself")
-    if strategy == Strategy.ABSENT.value:
+    if found.get("error"):
+        return _verdict("unknown", EXIT_UNKNOWN, found["error"])
+    if result.get("error"):
+        return _verdict("unknown", EXIT_UNKNOWN, f"the self-test could not run: {result['error']}")
+    strategy = Strategy(target["strategy"])
+    if result.get("passed") is False:
+        return _verdict(
+            "exposed", EXIT_EXPOSED, "self-test FAILED: LoRA-hooked calls are wrong on the TMA path "
+            f"even with the guard (strategy {strategy.value})")
+    if strategy is Strategy.ABSENT:
         return _verdict("not-affected", EXIT_OK, target["reason"])
-    if strategy == Strategy.UNSUPPORTED.value:
+    if strategy is Strategy.UNSUPPORTED:
+        return _verdict("exposed", EXIT_EXPOSED,
+                        f"{target['reason']}; this build needs the upstream fix (SGLang 0.5.17 or later)")
+    where = _deployment(found)
+    if found and not found["tma_anywhere"]:
+        shape = found["shape"]
+        return _verdict(
+            "not-affected", EXIT_OK,
+            f"{where} never takes the TMA down path: no tuned down config for E={shape['experts_per_rank']}, "
+            f"N={shape['intermediate_per_shard']} says USE_TMA")
+    if found:
+        where = f"{where} takes the TMA down path at batch sizes {_ranges(_tma_buckets(found))}. "
+    missing = _missing_for_protection(guarded)
+    if target["native_guard"]:
+        speed_up = (" (not active: " + "; ".join(missing) + ")" if missing
+                    else "; the guard keeps TMA for the weights of hooked calls, a speed-up")
+        note = speed_up if strategy is Strategy.WEIGHT_TMA else ""
+        return _verdict("not-affected", EXIT_OK,
+                        f"{where}SGLang {version} turns TMA off for LoRA-hooked calls itself{note}")
+    if missing:
         return _verdict(
             "exposed", EXIT_EXPOSED,
-            f"{target['reason']}; this build needs the upstream fix "
-            "(SGLang 0.5.17 or later)",
+            f"{where}SGLang {version} can run LoRA hooks on the TMA down path and the guard is not on: "
+            + "; ".join(missing),
         )
+    how = {
+        Strategy.WEIGHT_TMA: "with route-major buffers and TMA for the weights (down_moe_use_tma=False, "
+                             "b_use_tma=True)",
+        Strategy.FLAG: "with down_moe_use_tma=False",
+        Strategy.FALLBACK: "on the guard's own route-major kernels (calls they do not cover are refused "
+                           "with an error)",
+    }[strategy]
+    return _verdict("protected", EXIT_OK,
+                    f"{where}SGLang {version} is affected; every SGLang process will run LoRA-hooked "
+                    f"MoE calls {how}")
+
+
+def _missing_for_protection(guarded: dict) -> list[str]:
     missing = []
     if not guarded["switch"]["enabled"]:
         missing.append(f"set {ENV_VAR}=1 in the server's environment")
@@ -204,23 +246,18 @@ def verdict(env: dict, target: dict, guarded: dict | None) -> dict:
         missing.append(f"add {ENTRY_POINT_NAME} to SGLANG_PLUGINS")
     if not guarded["wrapper_installs"]:
         missing.append("report this: the wrapper did not install on this SGLang")
-    if missing:
-        return _verdict(
-            "exposed", EXIT_EXPOSED,
-            f"SGLang {version} can run LoRA hooks on the TMA down path and the guard is not on: "
-            + "; ".join(missing),
-        )
-    if strategy == Strategy.FALLBACK.value:
-        return _verdict(
-            "protected", EXIT_OK,
-            f"SGLang {version} is affected; every SGLang process will run LoRA-hooked MoE calls on "
-            "the guard's own route-major kernels (calls they do not cover are refused with an error)",
-        )
-    return _verdict(
-        "protected", EXIT_OK,
-        f"SGLang {version} is affected; every SGLang process will run LoRA-hooked "
-        "MoE calls with down_moe_use_tma=False",
-    )
+    return missing
+
+
+def _deployment(found: dict) -> str:
+    if not found:
+        return ""
+    shape = found["shape"]
+    return f"{shape['architecture']} at tp {shape['tp']}, ep {shape['ep']} on {found['device_name']}"
+
+
+def _tma_buckets(found: dict) -> list:
+    return [m for m, tma in found["buckets"].items() if tma]
 
 
 def _verdict(status: str, exit_code: int, message: str) -> dict:
@@ -239,7 +276,6 @@ def build_report() -> dict:
         "version_says_affected": release_is_affected(env["sglang"]),
         "target": target,
         "guard": guarded,
-        "verdict": verdict(env, target, guarded),
     }
 
 
@@ -273,9 +309,11 @@ def render(report: dict) -> str:
             f"  defined at        {target['location'] or 'unknown (no source)'}",
             f"  {FLAG_PARAM:<17} {target['flag_parameter'] or 'not a positional parameter / absent'}",
             f"  {HOOKS_PARAM:<17} {target['hooks_parameter'] or 'absent'}",
-            f"  native guard      {'found' if target['native_guard'] else 'not found'}",
+            f"  native guard      {'proven in its source' if target['native_guard'] else 'not proven'}",
             f"  strategy          {target['strategy']}: {target['reason']}",
         ]
+        if target.get("weight_tma_unavailable"):
+            lines.append(f"  weight TMA        no: {target['weight_tma_unavailable']}")
         if target.get("fallback_covers"):
             lines.append(f"  fallback covers   {target['fallback_covers']}")
     if guarded:
@@ -300,7 +338,7 @@ def render(report: dict) -> str:
             shape = found["shape"]
             block = "x".join(map(str, shape["block_shape"])) if shape["block_shape"] else "none"
             fused = f" + {shape['fused_shared_experts']} fused shared" if shape["fused_shared_experts"] else ""
-            on = [m for m, tma in found["buckets"].items() if tma]
+            on = _tma_buckets(found)
             lines += [
                 f"  model             {found['model_path']} ({shape['architecture']})",
                 f"  per rank          E={shape['experts_per_rank']} ({shape['routed_experts']} routed / ep {shape['ep']}"
@@ -350,10 +388,9 @@ def main(argv=None) -> int:
     report = build_report()
     if args.model_path:
         report["exposure"] = _exposure(report, args)
-        _apply_exposure(report)
     if args.selftest:
         report["selftest"] = _run_selftest(report, device)
-        _apply_selftest(report)
+    report["verdict"] = verdict(report)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return report["verdict"]["exit_code"]
 
@@ -368,26 +405,6 @@ def _exposure(report: dict, args) -> dict:
                                     not args.no_shared_experts_fusion)
     except exposure.ExposureError as exc:
         return {"error": str(exc)}
-
-
-def _apply_exposure(report: dict) -> None:
-    found, verdict_ = report["exposure"], report["verdict"]
-    if found.get("error"):
-        report["verdict"] = _verdict("unknown", EXIT_UNKNOWN, found["error"])
-        return
-    shape = found["shape"]
-    where = (f"{shape['architecture']} at tp {shape['tp']}, ep {shape['ep']} on "
-             f"{found['device_name']}")
-    if verdict_["status"] in ("exposed", "protected") and not found["tma_anywhere"]:
-        report["verdict"] = _verdict(
-            "not-affected", EXIT_OK,
-            f"{where} never takes the TMA down path: no tuned down config for E={shape['experts_per_rank']}, "
-            f"N={shape['intermediate_per_shard']} says USE_TMA")
-    elif found["tma_anywhere"] and verdict_["status"] in ("exposed", "protected"):
-        on = [m for m, tma in found["buckets"].items() if tma]
-        report["verdict"] = _verdict(
-            verdict_["status"], verdict_["exit_code"],
-            f"{where} takes the TMA down path at batch sizes {_ranges(on)}. " + verdict_["message"])
 
 
 def _ranges(sizes) -> str:
@@ -407,17 +424,6 @@ def _run_selftest(report: dict, device: str) -> dict:
             return selftest.run(device)
     except Exception as exc:
         return {"passed": False, "error": f"{type(exc).__name__}: {exc}"}
-
-
-def _apply_selftest(report: dict) -> None:
-    result, verdict_ = report["selftest"], report["verdict"]
-    if result.get("error"):
-        report["verdict"] = _verdict(
-            "unknown", EXIT_UNKNOWN, f"the self-test could not run: {result['error']}")
-    elif result["passed"] is False:
-        report["verdict"] = _verdict(
-            "exposed", EXIT_EXPOSED, "self-test FAILED: LoRA-hooked calls are wrong on the TMA path "
-            f"even with the guard (strategy {result['strategy']}); " + verdict_["message"])
 
 
 if __name__ == "__main__":

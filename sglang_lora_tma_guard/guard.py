@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import wrapt
 
+from . import weight_tma
 from .inspection import (
     TARGET,
     TARGET_MODULE,
@@ -47,6 +48,7 @@ _MARKER = "__lora_tma_guard__"
 
 _lock = threading.RLock()
 _wanted = False
+_weight_tma = True  # False: the plain fix only (SGLANG_LORA_TMA_GUARD=plain)
 _import_hook_registered = False
 _installed = None  # the wrapper object in place, the handle for unwrap_object
 _inspection: Inspection | None = None
@@ -83,26 +85,39 @@ def hooks_touch_buffers(hooks) -> bool:
         return False
 
 
+def _hooks_of(args, kwargs, hooks_at):
+    if hooks_at is not None and len(args) > hooks_at:
+        return args[hooks_at]
+    return kwargs.get("hooks")
+
+
 def make_guarded(original, inspection: Inspection):
-    """Build the replacement for ``original`` from its inspection (strategy FLAG or FALLBACK)."""
+    """Build the replacement for ``original`` from its inspection (WEIGHT_TMA, FLAG or FALLBACK)."""
     if inspection.strategy is Strategy.FALLBACK:
         return _make_fallback_guarded(original, inspection)
     flag_at = inspection.flag_index
     hooks_at = inspection.hooks_index
+    # Built once, here: a copy of SGLang's own function whose two GEMM launches take the weights
+    # by TMA; it is given only hooked calls that asked for TMA on block-fp8 weights (the path the
+    # variant was verified on), and always with down_moe_use_tma=False.
+    variant = weight_tma.build(original) if inspection.strategy is Strategy.WEIGHT_TMA else None
 
     @functools.wraps(original)
     def _fused_moe_kernel_sequence(*args, **kwargs):
-        if hooks_at is not None and len(args) > hooks_at:
-            hooks = args[hooks_at]
+        hooks = _hooks_of(args, kwargs, hooks_at)
+        if hooks is None or not hooks_touch_buffers(hooks):
+            return original(*args, **kwargs)
+        # The hooks index the buffers as (num_tokens, topk, N); only the non-TMA path stores
+        # them that way.
+        if len(args) > flag_at:
+            requested = args[flag_at]
+            args = (*args[:flag_at], False, *args[flag_at + 1 :])
         else:
-            hooks = kwargs.get("hooks")
-        if hooks is not None and hooks_touch_buffers(hooks):
-            # The hooks index the buffers as (num_tokens, topk, N); only the non-TMA path
-            # stores them that way.
-            if len(args) > flag_at:
-                args = (*args[:flag_at], False, *args[flag_at + 1 :])
-            elif "down_moe_use_tma" in kwargs:
+            requested = kwargs.get("down_moe_use_tma", False)
+            if "down_moe_use_tma" in kwargs:
                 kwargs["down_moe_use_tma"] = False
+        if variant is not None and requested and kwargs.get("use_fp8_w8a8") and kwargs.get("block_shape"):
+            return variant(*args, **kwargs)
         return original(*args, **kwargs)
 
     setattr(_fused_moe_kernel_sequence, _MARKER, inspection)
@@ -118,10 +133,7 @@ def _make_fallback_guarded(original, inspection: Inspection):
 
     @functools.wraps(original)
     def _fused_moe_kernel_sequence(*args, **kwargs):
-        if hooks_at is not None and len(args) > hooks_at:
-            hooks = args[hooks_at]
-        else:
-            hooks = kwargs.get("hooks")
+        hooks = _hooks_of(args, kwargs, hooks_at)
         if hooks is None or not hooks_touch_buffers(hooks):
             return original(*args, **kwargs)
         try:
@@ -150,14 +162,18 @@ def is_guarded(func) -> bool:
     return getattr(func, _MARKER, None) is not None
 
 
-def activate() -> GuardStatus:
+def activate(weight_tma: bool = True) -> GuardStatus:
     """Guard ``_fused_moe_kernel_sequence`` now, or as soon as its module is imported.
 
-    Idempotent: a second call (a second ``load_plugins()``, another thread) installs nothing twice.
+    ``weight_tma=False`` keeps the plain fix (hooked calls run with ``down_moe_use_tma=False``)
+    even where the weight-TMA variant could be built. Idempotent: a second call with the same
+    choice (a second ``load_plugins()``, another thread) installs nothing twice; another choice
+    replaces the installed wrapper.
     """
-    global _wanted, _import_hook_registered
+    global _wanted, _import_hook_registered, _weight_tma
     with _lock:
-        _wanted = True
+        changed = _weight_tma != weight_tma
+        _wanted, _weight_tma = True, weight_tma
         register, _import_hook_registered = not _import_hook_registered, True
     if register:
         # Outside our lock: wrapt runs the hook at once when the module is already imported, and
@@ -166,6 +182,8 @@ def activate() -> GuardStatus:
         wrapt.register_post_import_hook(_on_target_import, TARGET_MODULE)
     with _lock:
         module = _imported_target()
+        if module is not None and _installed is not None and changed:
+            _uninstall(module)
         if module is not None and _installed is None:
             _install(module)
         return status()
@@ -173,22 +191,26 @@ def activate() -> GuardStatus:
 
 def deactivate() -> GuardStatus:
     """Put the original function object back and stop guarding later imports."""
-    global _wanted, _installed
+    global _wanted
     with _lock:
         _wanted = False
-        module = sys.modules.get(TARGET_MODULE)
-        if _installed is not None and module is not None:
-            removed = wrapt.unwrap_object(module, TARGET_NAME, _installed, missing_ok=True)
-            if removed is None:
-                logger.warning(
-                    "sglang-lora-tma-guard: %s was replaced by other code after the guard was "
-                    "installed; left as it is",
-                    TARGET,
-                )
-            else:
-                logger.info("sglang-lora-tma-guard: removed from %s", TARGET)
-        _installed = None
+        _uninstall(sys.modules.get(TARGET_MODULE))
         return status()
+
+
+def _uninstall(module) -> None:
+    global _installed
+    if _installed is not None and module is not None:
+        removed = wrapt.unwrap_object(module, TARGET_NAME, _installed, missing_ok=True)
+        if removed is None:
+            logger.warning(
+                "sglang-lora-tma-guard: %s was replaced by other code after the guard was "
+                "installed; left as it is",
+                TARGET,
+            )
+        else:
+            logger.info("sglang-lora-tma-guard: removed from %s", TARGET)
+    _installed = None
 
 
 def status() -> GuardStatus:
@@ -234,17 +256,31 @@ def _install(module) -> None:
         # Another copy of this package's state (a reload) put it there; adopt it.
         _installed, _inspection = current, getattr(current, _MARKER)
         return
-    _inspection = inspection = inspect_target(current)
+    inspection = inspect_target(current, weight_tma=_weight_tma)
     version = sglang_version()
     note = version_note(version)
     if note:
         logger.info("sglang-lora-tma-guard: %s", note)
-    if inspection.strategy in (Strategy.FLAG, Strategy.FALLBACK):
-        _installed = wrapt.wrap_object(module, TARGET_NAME, make_guarded, (inspection,))
+    if inspection.strategy is Strategy.WEIGHT_TMA:
+        try:
+            _installed = wrapt.wrap_object(module, TARGET_NAME, make_guarded, (inspection,))
+        except Exception as exc:  # the variant did not build: the plain fix is always possible
+            logger.warning(
+                "sglang-lora-tma-guard: the weight-TMA variant of %s did not build (%s: %s); "
+                "using the plain fix", TARGET, type(exc).__name__, exc,
+            )
+            inspection = inspect_target(current, weight_tma=False)
+    _inspection = inspection
+    if inspection.strategy.installs_wrapper:
+        if _installed is None:
+            _installed = wrapt.wrap_object(module, TARGET_NAME, make_guarded, (inspection,))
         logger.info(
             "sglang-lora-tma-guard: SGLang %s, strategy %s: %s in %s",
             version, inspection.strategy.name, inspection.reason, TARGET,
         )
+        if inspection.strategy is Strategy.FLAG and inspection.weight_tma_unavailable and _weight_tma:
+            logger.info("sglang-lora-tma-guard: no weight TMA for hooked calls: %s",
+                        inspection.weight_tma_unavailable)
     elif inspection.strategy is Strategy.UNSUPPORTED:
         logger.warning(
             "sglang-lora-tma-guard: SGLang %s, strategy %s: %s. Not patched: LoRA adapters on MoE "

@@ -8,13 +8,14 @@ or may not carry the upstream fix.
 from __future__ import annotations
 
 import ast
-import dis
 import enum
 import inspect
 import re
 import textwrap
 from dataclasses import dataclass
 from importlib import metadata
+
+from . import weight_tma as weight_tma_module
 
 TARGET_MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 TARGET_NAME = "_fused_moe_kernel_sequence"
@@ -34,11 +35,16 @@ NEWEST_CHECKED = (0, 5, 23)
 class Strategy(enum.Enum):
     """How the installed ``_fused_moe_kernel_sequence`` is guarded."""
 
-    NATIVE = "native"
-    """SGLang turns TMA off for hooked calls itself (0.5.17 and later): nothing to do."""
+    WEIGHT_TMA = "weight_tma"
+    """Hooked calls that asked for TMA run with route-major buffers and TMA for the weights
+    (:mod:`sglang_lora_tma_guard.weight_tma`): the fix on 0.5.11-0.5.16, a speed-up of SGLang's
+    own fix from 0.5.17 on."""
 
     FLAG = "flag"
-    """Hooked calls are re-issued with ``down_moe_use_tma=False`` (0.5.11 to 0.5.16)."""
+    """Hooked calls are re-issued with ``down_moe_use_tma=False``, as SGLang 0.5.17 does itself."""
+
+    NATIVE = "native"
+    """SGLang provably turns TMA off for hooked calls itself: nothing to do."""
 
     ABSENT = "absent"
     """No fused-MoE sequence with LoRA hooks (SGLang before 0.5.11): nothing to guard."""
@@ -50,6 +56,10 @@ class Strategy(enum.Enum):
     UNSUPPORTED = "unsupported"
     """The function cannot be read: left unpatched, with a warning."""
 
+    @property
+    def installs_wrapper(self) -> bool:
+        return self in (Strategy.WEIGHT_TMA, Strategy.FLAG, Strategy.FALLBACK)
+
 
 @dataclass(frozen=True)
 class Inspection:
@@ -59,10 +69,17 @@ class Inspection:
     """Positional index of ``down_moe_use_tma``; every SGLang caller passes it positionally."""
     hooks_index: int | None = None
     """Positional index of ``hooks``, or None where it is keyword-only (every release so far)."""
+    native_guard: bool = False
+    """The function's own code proves that it turns TMA off for hooked calls."""
+    weight_tma_unavailable: str | None = None
+    """Why the weight-TMA variant cannot be built here (None where it can, or was not asked for)."""
 
 
-def inspect_target(func) -> Inspection:
-    """Decide the strategy for one ``_fused_moe_kernel_sequence`` object."""
+def inspect_target(func, weight_tma: bool = True) -> Inspection:
+    """Decide the strategy for one ``_fused_moe_kernel_sequence`` object.
+
+    ``weight_tma=False`` asks for the plain fix (``SGLANG_LORA_TMA_GUARD=plain``).
+    """
     if func is None:
         return Inspection(
             Strategy.ABSENT,
@@ -75,25 +92,38 @@ def inspect_target(func) -> Inspection:
 
     if HOOKS_PARAM not in params:
         return Inspection(Strategy.ABSENT, f"{TARGET} takes no '{HOOKS_PARAM}': no LoRA hooks to guard")
-    if has_native_guard(func):
-        return Inspection(
-            Strategy.NATIVE, "SGLang already sets down_moe_use_tma=False when LoRA hooks are set"
-        )
+    native = has_native_guard(func)
+    hooks_index = _positional_index(params, HOOKS_PARAM)
     flag_index = _positional_index(params, FLAG_PARAM)
     if flag_index is None:
+        if native:  # a keyword-only flag that the function resets itself
+            return Inspection(Strategy.NATIVE, NATIVE_REASON, hooks_index=hooks_index, native_guard=True)
         missing = "no" if FLAG_PARAM not in params else "no positional"
         return Inspection(
             Strategy.FALLBACK,
             f"{TARGET} takes '{HOOKS_PARAM}' but has {missing} '{FLAG_PARAM}' to turn off: hooked calls "
             "run on this package's route-major kernels",
-            hooks_index=_positional_index(params, HOOKS_PARAM),
+            hooks_index=hooks_index,
         )
+    found = dict(flag_index=flag_index, hooks_index=hooks_index, native_guard=native)
+    unavailable = weight_tma_module.unavailable_reason(func) if weight_tma else "not asked for (plain fix)"
+    if unavailable is None:
+        reason = (
+            "hooked calls that ask for TMA keep it for the weights, with route-major buffers "
+            + ("(a speed-up of SGLang's own fix)" if native else "(the fix, and faster than TMA off)")
+        )
+        return Inspection(Strategy.WEIGHT_TMA, reason, **found)
+    if native:
+        return Inspection(Strategy.NATIVE, NATIVE_REASON, weight_tma_unavailable=unavailable, **found)
     return Inspection(
         Strategy.FLAG,
         "hooked calls run with down_moe_use_tma=False (route-major buffers, as the hooks expect)",
-        flag_index=flag_index,
-        hooks_index=_positional_index(params, HOOKS_PARAM),
+        weight_tma_unavailable=unavailable,
+        **found,
     )
+
+
+NATIVE_REASON = "SGLang already sets down_moe_use_tma=False when LoRA hooks are set"
 
 
 def _positional_index(params, name: str) -> int | None:
@@ -105,25 +135,71 @@ def _positional_index(params, name: str) -> int | None:
 
 
 def has_native_guard(func) -> bool:
-    """True when the function itself resets ``down_moe_use_tma`` to False under a hooks test.
+    """True only when the function's source proves that hooked calls run with TMA off.
 
-    Upstream's fix (0.5.17) is ``if hooks and (hooks.after_gate_up is not None or ...):
-    down_moe_use_tma = False``. Read it from the source where there is one, else from the bytecode.
+    The proof is upstream's fix (0.5.17) in the one place where it holds for every call: a
+    statement of the function body itself, before anything reads or writes ``down_moe_use_tma``,
+    ``if <hooks test>: down_moe_use_tma = False``, where the hooks test is true whenever
+    ``after_gate_up`` or ``after_down`` is set. Without source (a compiled-only install) nothing is
+    proven: the guard then stays on, which is harmless where SGLang does turn TMA off itself.
     """
     func = inspect.unwrap(func)
     try:
-        source = textwrap.dedent(inspect.getsource(func))
-        tree = ast.parse(source)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
     except (OSError, TypeError, SyntaxError):
-        return _bytecode_has_native_guard(getattr(func, "__code__", None))
-    return any(_is_guard_branch(node) for node in ast.walk(tree) if isinstance(node, ast.If))
+        return False
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    for stmt in node.body:
+        if isinstance(stmt, ast.If) and _covers_every_hooked_call(stmt.test) and any(
+            _assigns_false_to_flag(inner) for inner in stmt.body
+        ):
+            return True
+        if _mentions_flag(stmt):
+            return False  # the flag is read or changed before any guard: not proven
+    return False
 
 
-def _is_guard_branch(node: ast.If) -> bool:
-    tests_hooks = any(
-        isinstance(sub, ast.Attribute) and sub.attr in HOOK_ATTRIBUTES for sub in ast.walk(node.test)
+def _covers_every_hooked_call(test: ast.expr) -> bool:
+    """Is ``test`` true for every hooks object with ``after_gate_up`` or ``after_down`` set?
+
+    Accepted shapes: ``hooks and X``, ``hooks is not None and X``, where X is an ``or`` of
+    ``hooks.after_gate_up`` and ``hooks.after_down``, each bare or ``is not None``.
+    """
+    if not (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and len(test.values) == 2):
+        return False
+    presence, attributes = test.values
+    if not (_is_hooks_name(presence) or _is_not_none(presence, _is_hooks_name)):
+        return False
+    if not (isinstance(attributes, ast.BoolOp) and isinstance(attributes.op, ast.Or)):
+        return False
+    seen = set()
+    for value in attributes.values:
+        attribute = value.left if _is_not_none(value, _is_hook_attribute) else value
+        if not _is_hook_attribute(attribute):
+            return False
+        seen.add(attribute.attr)
+    return seen == set(HOOK_ATTRIBUTES)
+
+
+def _is_hooks_name(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == HOOKS_PARAM
+
+
+def _is_hook_attribute(node: ast.expr) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr in HOOK_ATTRIBUTES and _is_hooks_name(node.value)
+
+
+def _is_not_none(node: ast.expr, operand) -> bool:
+    return (
+        isinstance(node, ast.Compare)
+        and len(node.ops) == 1
+        and isinstance(node.ops[0], ast.IsNot)
+        and isinstance(node.comparators[0], ast.Constant)
+        and node.comparators[0].value is None
+        and operand(node.left)
     )
-    return tests_hooks and any(_assigns_false_to_flag(stmt) for stmt in node.body)
 
 
 def _assigns_false_to_flag(stmt: ast.stmt) -> bool:
@@ -140,24 +216,8 @@ def _assigns_false_to_flag(stmt: ast.stmt) -> bool:
     )
 
 
-def _bytecode_has_native_guard(code) -> bool:
-    # Without source (a compiled-only install), look for the store itself: the flag is a
-    # parameter, so any ``down_moe_use_tma = False`` in a function that reads the hook
-    # attributes is a reset of what the caller asked for.
-    if code is None or not any(attr in code.co_names for attr in HOOK_ATTRIBUTES):
-        return False
-    previous = None
-    for instr in dis.get_instructions(code):
-        if (
-            instr.opname.startswith("STORE_FAST")
-            and instr.argval == FLAG_PARAM
-            and previous is not None
-            and previous.opname.startswith("LOAD_CONST")
-            and previous.argval is False
-        ):
-            return True
-        previous = instr
-    return False
+def _mentions_flag(stmt: ast.stmt) -> bool:
+    return any(isinstance(sub, ast.Name) and sub.id == FLAG_PARAM for sub in ast.walk(stmt))
 
 
 def sglang_version() -> str | None:

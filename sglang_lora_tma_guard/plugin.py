@@ -25,7 +25,7 @@ def register() -> None:
         if not switch.enabled:
             logger.debug("sglang-lora-tma-guard: %s is %s", ENV_VAR, switch.describe())
             return
-        guard.activate()
+        guard.activate(weight_tma=not switch.plain)
     except Exception:
         # SGLang logs and swallows plugin errors too, under its own name; say plainly whose it is.
         logger.exception(

@@ -8,6 +8,7 @@ route's row, in place, the way SGLang's LoRA MoE hooks do.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -220,6 +221,32 @@ def lora_hooks(problem: MoEProblem, gate_up: bool = True, down: bool = True):
         after_gate_up=after_gate_up if gate_up else None,
         after_down=after_down if down else None,
     )
+
+
+LAUNCH_FLAGS = ("a_use_tma", "b_use_tma", "c_sorted")
+
+
+@contextlib.contextmanager
+def launch_recorder():
+    """Record the TMA arguments of each ``invoke_fused_moe_kernel`` call made inside the block.
+
+    The launcher is replaced on the fused-MoE module (where the sequence looks it up at call time)
+    by a recorder that carries its signature, and put back on exit.
+    """
+    module = fused_moe_module()
+    real = module.invoke_fused_moe_kernel
+    launches: list[dict] = []
+
+    @functools.wraps(real)
+    def recorder(*args, **kwargs):
+        launches.append({name: bool(kwargs.get(name, False)) for name in LAUNCH_FLAGS})
+        return real(*args, **kwargs)
+
+    module.invoke_fused_moe_kernel = recorder
+    try:
+        yield launches
+    finally:
+        module.invoke_fused_moe_kernel = real
 
 
 def run_sequence(problem: MoEProblem, *, use_tma: bool, hooks=None, function=None, **overrides) -> torch.Tensor:

@@ -15,6 +15,9 @@ import time
 TOKENS = (3, 17)
 """Two batch sizes: a ragged one and one whose routes span several kernel blocks."""
 
+WEIGHT_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
+"""Each GEMM launch of a guarded hooked call under strategy weight_tma."""
+
 
 def prepare(device: str | None = None) -> str:
     """Pick the device and, for the CPU, switch Triton's interpreter on. Call before importing SGLang."""
@@ -50,7 +53,8 @@ def run(device: str) -> dict:
             unguarded = probe.run_sequence(problem, use_tma=True, hooks=hooks)
             hookless_off = probe.run_sequence(problem, use_tma=True, hooks=None)
             installed = guard.activate().installed
-            guarded = probe.run_sequence(problem, use_tma=True, hooks=hooks)
+            with probe.launch_recorder() as launches:
+                guarded = probe.run_sequence(problem, use_tma=True, hooks=hooks)
             hookless_on = probe.run_sequence(problem, use_tma=True, hooks=None)
             without, with_ = probe.compare(unguarded, reference), probe.compare(guarded, reference)
             cases.append({
@@ -64,16 +68,20 @@ def run(device: str) -> dict:
                 "rel_err_with_guard": with_.rel_err,
                 "max_abs_diff_with_guard": with_.max_abs_diff,
                 "hookless_untouched": bool(torch.equal(hookless_on, hookless_off)),
+                # What SGLang's launcher was told for the guarded call's gate-up and down GEMMs.
+                "guarded_launches": launches,
             })
     finally:
         guard.activate() if was_active else guard.deactivate()
     strategy = guard.status().strategy
     exposed = any(c["rows_wrong_without_guard"] for c in cases)
     passed = all(c["hookless_untouched"] for c in cases) and (
-        all(c["identical_with_guard"] for c in cases) if strategy == "flag"
+        all(c["identical_with_guard"] for c in cases) if strategy in ("flag", "weight_tma")
         else all(c["within_tolerance_with_guard"] for c in cases) if strategy == "fallback"
         else not exposed  # nothing installed: SGLang has to get it right by itself
     )
+    if strategy == "weight_tma":  # the speed-up must really be taken, and A must stay route-major
+        passed = passed and all(c["guarded_launches"] == [WEIGHT_TMA_LAUNCH] * 2 for c in cases)
     return {
         "device": device,
         "strategy": strategy,
@@ -90,9 +98,10 @@ def render(result: dict) -> list[str]:
     for c in result["cases"]:
         with_guard = ("bit-identical" if c["identical_with_guard"]
                       else f"relative error {c['rel_err_with_guard']:.2%}") if c["guard_installed"] else "not installed"
+        weights = " (TMA weights)" if c["guarded_launches"] == [WEIGHT_TMA_LAUNCH] * 2 else ""
         lines.append(
             f"  {c['tokens']:>3} tokens: without the guard {c['rows_wrong_without_guard']}/{c['tokens']} rows wrong; "
-            f"with it {with_guard}; hook-less calls {'untouched' if c['hookless_untouched'] else 'CHANGED'}"
+            f"with it {with_guard}{weights}; hook-less calls {'untouched' if c['hookless_untouched'] else 'CHANGED'}"
         )
     lines.append(f"  {'PASS' if result['passed'] else 'FAIL'}")
     return lines

@@ -10,23 +10,27 @@ logger = logging.getLogger("sglang_lora_tma_guard")
 
 ENV_VAR = "SGLANG_LORA_TMA_GUARD"
 ON_VALUES = ("1", "true", "on")
+PLAIN_VALUES = ("plain",)
+"""On, with the plain fix only (``down_moe_use_tma=False``, as SGLang 0.5.17 does): no weight TMA."""
 OFF_VALUES = ("0", "false", "off")
 
 
 @dataclass(frozen=True)
 class Switch:
-    """What the environment asks for: ``enabled``, and the raw ``value`` it was read from."""
+    """What the environment asks for: ``enabled``, ``plain``, and the raw ``value`` it was read from."""
 
     enabled: bool
     value: str | None
     valid: bool
+    plain: bool = False
 
     def describe(self) -> str:
         if self.value is None:
             return "unset (guard off)"
         if not self.valid:
             return f"{self.value!r} is not a recognised value (guard off)"
-        return f"{self.value!r} (guard {'on' if self.enabled else 'off'})"
+        state = ("on, plain fix" if self.plain else "on") if self.enabled else "off"
+        return f"{self.value!r} (guard {state})"
 
 
 def read_switch(environ=None) -> Switch:
@@ -37,6 +41,8 @@ def read_switch(environ=None) -> Switch:
     value = raw.strip().lower()
     if value in ON_VALUES:
         return Switch(enabled=True, value=raw, valid=True)
+    if value in PLAIN_VALUES:
+        return Switch(enabled=True, value=raw, valid=True, plain=True)
     if value in OFF_VALUES or value == "":
         return Switch(enabled=False, value=raw, valid=True)
     return Switch(enabled=False, value=raw, valid=False)
@@ -45,6 +51,7 @@ def read_switch(environ=None) -> Switch:
 def invalid_value_message(switch: Switch) -> str:
     return (
         f"sglang-lora-tma-guard: {ENV_VAR}={switch.value!r} is not understood; "
-        f"use one of {', '.join(ON_VALUES)} to turn the guard on, or "
+        f"use one of {', '.join(ON_VALUES)} to turn the guard on, {PLAIN_VALUES[0]} for the plain fix "
+        "without weight TMA, or "
         f"{', '.join(OFF_VALUES)} (or leave it unset) to keep it off. The guard stays off."
     )

@@ -13,8 +13,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
 
-from spies import KernelSpy  # noqa: E402
-
 
 @pytest.fixture(scope="module")
 def fm():
@@ -29,7 +27,9 @@ def fm():
 
 
 @pytest.fixture
-def kernel_spy(fm, monkeypatch):
-    spy = KernelSpy(fm.invoke_fused_moe_kernel)
-    monkeypatch.setattr(fm, "invoke_fused_moe_kernel", spy)
-    return spy
+def launches(fm):
+    """The TMA arguments of every launch of SGLang's ``invoke_fused_moe_kernel`` in the test."""
+    from sglang_lora_tma_guard import probe
+
+    with probe.launch_recorder() as recorded:
+        yield recorded

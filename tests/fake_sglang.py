@@ -27,10 +27,16 @@ NATIVE_GUARD = (
     "if hooks and (hooks.after_gate_up is not None or hooks.after_down is not None):\n"
     "    down_moe_use_tma = False\n"
 )
+# A fork that resets the flag, but not for hooked calls: no proof of a native guard.
+RESET_ELSEWHERE = (
+    "if hooks is None:\n"
+    "    down_moe_use_tma = False\n"
+)
 
 
-def _release(version, positional, keyword, native=False):
-    return {"version": version, "positional": positional, "keyword": keyword, "native": native}
+def _release(version, positional, keyword, native=False, guard=None):
+    return {"version": version, "positional": positional, "keyword": keyword,
+            "guard": NATIVE_GUARD if native else (guard or "")}
 
 
 RELEASES = {
@@ -45,6 +51,10 @@ RELEASES = {
         KW_0511 + ["swiglu_limit", "gate_up_interleaved", "a1_q", "fuse_swiglu_interleaved",
                    "x_extra", "no_combine_keep_router_weight"],
         native=True,
+    ),
+    "0.5.16+fork-resets-elsewhere": _release(
+        "0.5.16+fork-resets-elsewhere", POSITIONAL, KW_0511 + ["swiglu_limit", "gate_up_interleaved"],
+        guard=RESET_ELSEWHERE,
     ),
     # A fork or an in-between source build: the flag was renamed, so there is nothing to set.
     "0.5.16.dev3+renamed": _release(
@@ -61,7 +71,7 @@ def function_source(release: dict) -> str:
         f"{name}=None" for name in release["keyword"]
     )
     flag = "down_moe_use_tma" if "down_moe_use_tma" in release["positional"] else "down_use_tma"
-    guard = NATIVE_GUARD if release["native"] else ""
+    guard = release["guard"]
     body = textwrap.indent(
         guard
         + f"CALLS.append({{'tma': {flag}, 'hooks': hooks}})\n"

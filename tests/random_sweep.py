@@ -28,7 +28,6 @@ import torch  # noqa: E402
 
 import sglang_lora_tma_guard as guard  # noqa: E402
 from sglang_lora_tma_guard import probe  # noqa: E402
-from spies import KernelSpy  # noqa: E402
 
 SEED = 20261130
 HOOKS = ("gate_up", "down", "both", "neither")
@@ -92,10 +91,19 @@ def record_arrivals(fm, arrivals: list) -> None:
 
 
 def run_cases(indices) -> dict:
+    with probe.launch_recorder() as launches:
+        return _run_cases(indices, launches)
+
+
+WEIGHT_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
+
+
+def _run_cases(indices, launches: list) -> dict:
     fm = probe.fused_moe_module()
-    spy = fm.invoke_fused_moe_kernel = KernelSpy(fm.invoke_fused_moe_kernel)
+    sglang_function = fm._fused_moe_kernel_sequence
     arrivals = []
     record_arrivals(fm, arrivals)
+    recording = fm._fused_moe_kernel_sequence
     rng = random.Random(SEED)
     cases = [random_case(rng, index) for index in range(max(indices, default=-1) + 1)]
     counts, mismatches = Counter(), []
@@ -108,17 +116,20 @@ def run_cases(indices) -> dict:
             return probe.run_sequence(problem, use_tma=use_tma, hooks=hooks, filter_expert=case["filtered"])
 
         guard.deactivate()
-        spy.calls.clear()
+        # Hook-less cases run behind the arrivals recorder. Hooked ones do not: under another
+        # wrapper the guard would (rightly) not build its weight-TMA variant, the path to check.
+        fm._fused_moe_kernel_sequence = recording if case["hooks"] == "neither" else sglang_function
+        launches.clear()
         unguarded = run(True)
-        unguarded_calls = list(spy.calls)
+        unguarded_calls = list(launches)
         guard.activate()
-        spy.calls.clear()
+        launches.clear()
         guarded = run(True)
         counts[case["hooks"]] += 1
         counts["filtered"] += case["filtered"]
         if case["hooks"] == "neither":
             # What SGLang was handed: TMA still requested, the same hooks object, the same launches.
-            if arrivals[-1] != (True, hooks) or arrivals[-2] != (True, hooks) or spy.calls != unguarded_calls:
+            if arrivals[-1] != (True, hooks) or arrivals[-2] != (True, hooks) or launches != unguarded_calls:
                 mismatches.append(["hook-less call changed", case])
             # Outputs are compared where SGLang itself is deterministic. With filtered experts and
             # top-1 it writes straight into the output and leaves rows of uninitialised memory
@@ -130,6 +141,9 @@ def run_cases(indices) -> dict:
             else:
                 counts["hook-less, SGLang nondeterministic"] += 1
             continue
+        if launches != [WEIGHT_TMA_LAUNCH] * 2:
+            mismatches.append(["hooked call did not take weight TMA", case, launches])
+        counts["weight tma"] += 1
         guard.deactivate()
         reference = run(False)
         if not torch.equal(guarded, reference):
@@ -140,6 +154,7 @@ def run_cases(indices) -> dict:
         if differs != wrong:
             mismatches.append(["unguarded outcome not explained by the layout", case])
     guard.deactivate()
+    fm._fused_moe_kernel_sequence = sglang_function
     return {"counts": dict(counts), "mismatches": mismatches}
 
 

@@ -41,9 +41,11 @@ def test_random_cases(capsys):
         print(f"\nrandom cases: {CASES} (hooks: gate-up only {counts['gate_up']}, down only "
               f"{counts['down']}, both {counts['both']}, neither {counts['neither']}; filtered experts "
               f"in {counts['filtered']}); TMA layout differed in {counts['layout differs']}/{hooked} "
-              f"hooked cases, unguarded wrong in {counts['unguarded wrong']}; hook-less cases where SGLang "
+              f"hooked cases, unguarded wrong in {counts['unguarded wrong']}; guarded hooked calls with TMA "
+              f"weights {counts['weight tma']}/{hooked}; hook-less cases where SGLang "
               f"itself is nondeterministic: {counts['hook-less, SGLang nondeterministic']}; "
               f"mismatches {len(mismatches)}")
     assert sum(counts[k] for k in ("gate_up", "down", "both", "neither")) == CASES
     assert counts["layout differs"] > hooked // 2  # the sweep does exercise the bug
+    assert counts["weight tma"] == hooked
     assert not mismatches, mismatches[:5]

@@ -63,7 +63,7 @@ def test_unguarded_hooked_tma_call_corrupts_every_row(fm, problems, references, 
 @pytest.mark.parametrize("tokens", SIZES)
 def test_hooked_call_is_bit_identical_to_non_tma_path(sglang_plugins, problems, references, tokens):
     state = sglang_plugins()
-    assert state.installed and state.strategy == "flag"
+    assert state.installed and state.strategy == "weight_tma"
     problem = problems[tokens]
     output = probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
     assert torch.equal(output, references[tokens]), probe.compare(output, references[tokens])
@@ -80,13 +80,13 @@ def test_a_single_hook_is_enough_to_turn_tma_off(sglang_plugins, problems, gate_
     assert torch.equal(probe.run_sequence(problem, use_tma=True, hooks=hooks), reference)
 
 
-def test_hookless_call_still_reaches_the_kernel_with_tma_on(sglang_plugins, problems, kernel_spy):
+def test_hookless_call_still_reaches_the_kernel_with_tma_on(sglang_plugins, problems, launches):
     problem = problems[24]
     unguarded = probe.run_sequence(problem, use_tma=True, hooks=None)
     sglang_plugins()
-    kernel_spy.calls.clear()
+    launches.clear()
     guarded = probe.run_sequence(problem, use_tma=True, hooks=None)
-    gate_up, down = kernel_spy.calls
+    gate_up, down = launches
     assert gate_up["c_sorted"] is True
     assert down["a_use_tma"] is True and down["b_use_tma"] is True
     assert torch.equal(guarded, unguarded)
@@ -94,14 +94,30 @@ def test_hookless_call_still_reaches_the_kernel_with_tma_on(sglang_plugins, prob
     assert torch.equal(guarded, probe.run_sequence(problem, use_tma=False, hooks=None))
 
 
-def test_hooked_call_reaches_the_kernel_with_tma_off(sglang_plugins, problems, kernel_spy):
+WEIGHT_TMA = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
+NO_TMA = {"a_use_tma": False, "b_use_tma": False, "c_sorted": False}
+
+
+def test_hooked_call_keeps_tma_for_the_weights_only(sglang_plugins, problems, launches):
     sglang_plugins()
     problem = problems[5]
     probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
-    assert [call["c_sorted"] or call["a_use_tma"] or call["b_use_tma"] for call in kernel_spy.calls] == [
-        False,
-        False,
-    ]
+    assert launches == [WEIGHT_TMA, WEIGHT_TMA]  # gate-up, down: activations route-major
+
+
+def test_hooked_call_without_tma_requested_is_left_without_it(sglang_plugins, problems, launches, references):
+    sglang_plugins()
+    problem = problems[5]
+    output = probe.run_sequence(problem, use_tma=False, hooks=probe.lora_hooks(problem))
+    assert launches == [NO_TMA, NO_TMA] and torch.equal(output, references[5])
+
+
+def test_plain_switch_keeps_the_plain_fix(sglang_plugins, problems, launches, references):
+    state = sglang_plugins("plain")
+    assert state.installed and state.strategy == "flag"
+    problem = problems[5]
+    output = probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
+    assert launches == [NO_TMA, NO_TMA] and torch.equal(output, references[5])
 
 
 @pytest.mark.parametrize(
