@@ -157,7 +157,7 @@ def guard_report(strategy: str | None) -> dict:
     admitted = allow is None or ENTRY_POINT_NAME in {x.strip() for x in allow.split(",")}
     report = {
         "switch": {"variable": ENV_VAR, "value": switch.value, "enabled": switch.enabled,
-                   "valid": switch.valid},
+                   "valid": switch.valid, "plain": switch.plain},
         "entry_point": None if entry is None else f"{entry.name} = {entry.value}",
         "sglang_plugins": allow,
         "admitted_by_sglang_plugins": admitted,
@@ -319,7 +319,8 @@ def render(report: dict) -> str:
     if guarded:
         switch = guarded["switch"]
         value = "unset" if switch["value"] is None else repr(switch["value"])
-        state = "on" if switch["enabled"] else ("off, not understood" if not switch["valid"] else "off")
+        state = (("on, plain fix" if switch["plain"] else "on") if switch["enabled"]
+                 else ("off, not understood" if not switch["valid"] else "off"))
         lines += [
             "",
             "Guard",

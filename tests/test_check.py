@@ -40,12 +40,17 @@ class TestOnRealSGLang:
         assert code == 1
         assert out.splitlines()[-1].startswith("EXPOSED: SGLang 0.5.16")
         assert "set SGLANG_LORA_TMA_GUARD=1" in out
-        assert "strategy          flag" in out
+        assert "strategy          weight_tma" in out
 
     def test_switch_on_exits_0_protected(self):
         code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "1"})
         assert code == 0 and out.splitlines()[-1].startswith("PROTECTED: SGLang 0.5.16 is affected")
         assert "wrapper installs  yes" in out
+
+    def test_plain_switch_reports_the_plain_fix(self):
+        code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "plain"})
+        assert code == 0 and "strategy          flag" in out and "(on, plain fix)" in out
+        assert out.splitlines()[-1].endswith("MoE calls with down_moe_use_tma=False")
 
     def test_allow_list_without_the_plugin_is_not_protected(self):
         code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "1", "SGLANG_PLUGINS": "other"})
@@ -57,7 +62,7 @@ class TestOnRealSGLang:
         assert code == 0 and report["schema_version"] == 1
         assert report["verdict"] == {
             "status": "protected", "exit_code": 0, "message": report["verdict"]["message"]}
-        assert report["target"]["strategy"] == "flag"
+        assert report["target"]["strategy"] == "weight_tma"
         assert report["target"]["flag_parameter"] == "positional #10"
         assert report["guard"]["entry_point"] == "lora_tma_guard = sglang_lora_tma_guard.plugin:register"
         assert report["environment"]["sglang"] == "0.5.16"

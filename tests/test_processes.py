@@ -56,7 +56,7 @@ for _ in range(2):
 g.deactivate()
 result = dict(loaded_before_import=loaded_before_import, once=once, states=states,
               restored=m._fused_moe_kernel_sequence is original,
-              log_lines=log().count("strategy FLAG"))
+              log_lines=log().count("strategy WEIGHT_TMA"))
 """
 
 

@@ -12,8 +12,9 @@ pytestmark = pytest.mark.real
 def test_selftest_passes_and_shows_the_exposure(fm):
     result = selftest.run("cpu")
     assert result["passed"] is True and result["exposed_without_guard"] is True
-    assert result["strategy"] == "flag"
+    assert result["strategy"] == "weight_tma"
     assert all(c["identical_with_guard"] and c["hookless_untouched"] for c in result["cases"])
+    assert all(c["guarded_launches"] == [selftest.WEIGHT_TMA_LAUNCH] * 2 for c in result["cases"])
     assert not guard.status().active  # left as it was found
 
 
@@ -38,4 +39,4 @@ def test_check_selftest_command_prints_pass_and_keeps_the_verdict(tmp_path):
 
     code, out, _ = run_check("--selftest", env={"SGLANG_LORA_TMA_GUARD": "1"})
     assert code == 0 and "  PASS" in out and out.splitlines()[-1].startswith("PROTECTED")
-    assert "without the guard 17/17 rows wrong; with it bit-identical" in out
+    assert "without the guard 17/17 rows wrong; with it bit-identical (TMA weights)" in out
