@@ -3,16 +3,26 @@
 SGLang's ``load_plugins()`` calls :func:`register` once in every process it starts: the launcher,
 each scheduler (one per GPU rank) and the offline ``Engine``. It reads the switch and arms the
 guard; the patch itself happens when SGLang imports its fused-MoE module.
+
+A scheduler process runs ``load_plugins()`` before it configures logging (SGLang 0.5.16), so a line
+logged while the guard installs there goes nowhere. Where that process's scheduler module is
+already loaded, the plugin also asks SGLang's own hook registry to run :func:`announce` after
+``configure_scheduler_process``: each rank then says, with its own log prefix (``TP0``, ``TP1``...),
+what the guard does there.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 from . import guard
 from .settings import ENV_VAR, invalid_value_message, read_switch
 
 logger = logging.getLogger("sglang_lora_tma_guard")
+
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+AFTER_LOGGING = f"{SCHEDULER_MODULE}.configure_scheduler_process"
 
 
 def register() -> None:
@@ -26,9 +36,35 @@ def register() -> None:
             logger.debug("sglang-lora-tma-guard: %s is %s", ENV_VAR, switch.describe())
             return
         guard.activate(weight_tma=not switch.plain)
+        _announce_after_scheduler_logging()
     except Exception:
         # SGLang logs and swallows plugin errors too, under its own name; say plainly whose it is.
         logger.exception(
             "sglang-lora-tma-guard: activation failed; SGLang runs unguarded. Please report this "
             "with the output of `python -m sglang_lora_tma_guard.check`."
         )
+
+
+def announce(result=None, *args, **kwargs):
+    """One line saying what the guard does in this process (an AFTER hook: returns ``result``)."""
+    state = guard.status()
+    if state.installed or state.strategy is not None:
+        logger.info("sglang-lora-tma-guard: active in this process: SGLang %s, strategy %s: %s",
+                    state.sglang_version, (state.strategy or "").upper(), state.reason)
+    else:
+        logger.info("sglang-lora-tma-guard: armed in this process (SGLang %s); it installs when SGLang "
+                    "imports its fused-MoE module", state.sglang_version)
+    return result
+
+
+def _announce_after_scheduler_logging() -> None:
+    scheduler = sys.modules.get(SCHEDULER_MODULE)
+    if scheduler is None or not hasattr(scheduler, "configure_scheduler_process"):
+        return  # not a scheduler process (or a release without that step): nothing is lost here
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError:
+        return
+    if any(hook is announce for _, hook, _ in HookRegistry._hooks.get(AFTER_LOGGING, ())):
+        return
+    HookRegistry.register(AFTER_LOGGING, announce, HookType.AFTER)

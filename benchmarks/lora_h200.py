@@ -1,0 +1,199 @@
+"""Hooked MoE calls on a Hopper GPU: TMA off (today's fix) against TMA for the weights, with
+LoRA-style hooks and with SGLang's own LoRA hooks, eager and under CUDA-graph replay.
+
+    python benchmarks/lora_h200.py [--shapes glm51-fp8-tp8 e80-n640 e513-n512]
+                                   [--tokens 1 8 64 256 1024 4096 8192] [--hooks style sglang] [--out results]
+
+Per shape and batch size (SGLang's own tuned configs, which say USE_TMA for these three H200 shapes):
+
+- ``style``: in-place low-rank adds per route (``probe.lora_hooks``), as in FACTS §7;
+- ``sglang``: SGLang's ``build_lora_hooks`` with a ``LoRAInfo`` of 4 adapters (ranks 8, 16, 32, 64,
+  padded to 64; the batch split among them and the base model), its ``fused_moe_lora`` kernels, the
+  call made by SGLang's ``TritonRunnerCore.run``; graphs captured in SGLang's capture mode
+  (``model_capture_mode``), with its CUDA-graph LoRA buffers and its GPU alignment kernel, hooks built
+  inside the graph as the server's runner builds them.
+
+Variants, each captured in its own graph with the guard in the matching state: ``off`` (guard,
+plain fix: ``down_moe_use_tma=False``), ``weight`` (guard, weight TMA: route-major buffers,
+``b_use_tma=True`` on both GEMMs), ``full`` (no guard: full TMA, wrong output), ``nohook`` (no hooks,
+TMA). Checks per row: ``weight`` and ``off`` bit-identical to SGLang's non-TMA path, eagerly and
+under replay; rows wrong in ``full``. Times: ms per call, CUDA-graph replay, best of 5 x 50,
+interleaved. Writes ``lora_h200.json`` / ``.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from h200_proof import SHAPES, capture, load_sglang, lookup_configs
+
+TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
+RANKS = (8, 16, 32, 64)
+
+
+def replay_all(graphs: dict, replays=50, repeats=5) -> dict:
+    """Best ms per replay of each graph, the graphs interleaved within each repeat."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = {name: float("inf") for name in graphs}
+    for _ in range(repeats):
+        for name, graph in graphs.items():
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            best[name] = min(best[name], start.elapsed_time(end) / replays)
+    return best
+
+
+def cg_buffers(problem, loras: int) -> dict:
+    """SGLang's CUDA-graph LoRA buffers (``moe_cg_buffers``) for this batch size, as its backend sizes them."""
+    tokens, topk = problem.topk_ids.shape
+    experts, block_m = problem.num_experts, 64
+    padded = -(-(tokens * topk + experts * (block_m - 1)) // block_m) * block_m
+    blocks = padded // block_m
+    i32 = dict(dtype=torch.int32, device="cuda")
+    return {
+        "sorted_token_ids_lora": torch.empty(loras * padded, **i32),
+        "expert_ids_lora": torch.empty(loras * blocks, **i32),
+        "num_tokens_post_padded_lora": torch.empty(loras, **i32),
+        "lora_ids": torch.arange(loras, **i32),
+        "cumsum_buffer": torch.zeros(loras * (experts + 1), **i32),
+        "token_mask": torch.empty(loras * tokens * topk, **i32),
+    }
+
+
+def measure(probe, real_lora, guard, capture_mode, shape_name, shape, tokens, weights, kinds) -> list[dict]:
+    config, down_config, use_tma = lookup_configs(shape, tokens)
+    problem = probe.make_problem(
+        num_tokens=tokens, topk=shape["topk"], rank=16, seed=tokens, device="cuda", dtype=torch.bfloat16,
+        weights=weights, config=config, down_config=down_config,
+    )
+    rows = []
+    for kind in kinds:
+        if kind == "style":
+            hooks = probe.lora_hooks(problem)
+
+            def call(tma, hooked=True):
+                return probe.run_sequence(problem, use_tma=tma, hooks=hooks if hooked else None)
+            in_capture = None
+        else:
+            adapters = real_lora.Adapters(ranks=RANKS, enabled=(True,) * len(RANKS))
+            info = real_lora.make_lora_info(problem, adapters, seed=tokens,
+                                            cg_buffers=cg_buffers(problem, len(RANKS)))
+
+            def call(tma, hooked=True):
+                hooks = real_lora.lora_hooks(problem, info) if hooked else None
+                return real_lora.run_runner(problem, hooks, use_tma=tma)
+            in_capture = capture_mode
+
+        def graph(fn):
+            if in_capture is None:
+                return capture(fn)
+            with in_capture():
+                return capture(fn)
+
+        row = {"shape": shape_name, "tokens": tokens, "hooks": kind, "tma_config": use_tma}
+        guard.deactivate()
+        reference = call(False)
+        full = call(True)
+        g_ref, out_ref = graph(lambda: call(False))
+        g_full, out_full = graph(lambda: call(True))
+        g_nohook, _ = graph(lambda: call(True, hooked=False))
+        guard.activate(weight_tma=False)
+        off = call(True)
+        g_off, out_off = graph(lambda: call(True))
+        guard.activate(weight_tma=True)
+        weight = call(True)
+        g_weight, out_weight = graph(lambda: call(True))
+        graphs = {"off": g_off, "weight": g_weight, "full": g_full, "nohook": g_nohook}
+        times = replay_all(graphs)
+        row.update(
+            rows_wrong_full_eager=probe.compare(full, reference).rows_wrong,
+            rows_wrong_full_graph=probe.compare(out_full, out_ref).rows_wrong,
+            weight_identical_eager=bool(torch.equal(weight, reference)),
+            weight_identical_graph=bool(torch.equal(out_weight, out_ref)),
+            off_identical_eager=bool(torch.equal(off, reference)),
+            off_identical_graph=bool(torch.equal(out_off, out_ref)),
+            **{f"ms_{name}": value for name, value in times.items()},
+        )
+        row["weight_vs_off"] = row["ms_off"] / row["ms_weight"]  # > 1: weight TMA is faster
+        row["weight_vs_full"] = row["ms_weight"] / row["ms_full"]  # <= 1: not slower than full TMA
+        rows.append(row)
+        del g_ref, g_full, g_nohook, g_off, g_weight, graphs
+    return rows
+
+
+def markdown(rows, meta) -> str:
+    lines = [
+        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. ms per hooked "
+        "MoE call, CUDA-graph replay, best of 5 x 50 (interleaved). off = today's fix (TMA off); weight = TMA for "
+        "the weights only; full = unguarded TMA (wrong output). Speed-up = off / weight.",
+        "",
+        "| shape | tokens | hooks | TMA off | weight TMA | full TMA (wrong) | no hooks, TMA | speed-up vs off "
+        "| weight / full | weight = non-TMA (eager / graph) | off = non-TMA | rows wrong, full (eager / graph) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    same = {True: "bit-identical", False: "DIFFERENT"}
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['tokens']} | {r['hooks']} | {r['ms_off']:.3f} | {r['ms_weight']:.3f} "
+            f"| {r['ms_full']:.3f} | {r['ms_nohook']:.3f} | {r['weight_vs_off']:.3f} | {r['weight_vs_full']:.3f} "
+            f"| {same[r['weight_identical_eager']]} / {same[r['weight_identical_graph']]} "
+            f"| {same[r['off_identical_eager'] and r['off_identical_graph']]} "
+            f"| {r['rows_wrong_full_eager']}/{r['tokens']} / {r['rows_wrong_full_graph']}/{r['tokens']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    parser.add_argument("--hooks", nargs="+", default=["style", "sglang"], choices=["style", "sglang"])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    probe = load_sglang()
+    import triton
+    from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
+
+    import sglang_lora_tma_guard as guard
+    from sglang_lora_tma_guard import real_lora
+    from sglang_lora_tma_guard.inspection import sglang_version
+
+    probe.fused_moe_module()
+    probe.ensure_server_args()
+    meta = {"sglang": sglang_version(), "torch": torch.__version__, "triton": triton.__version__,
+            "gpu": torch.cuda.get_device_name(0), "ranks": RANKS}
+    print(json.dumps(meta), flush=True)
+    rows = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        weights = probe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
+        for tokens in args.tokens:
+            t0 = time.perf_counter()
+            for row in measure(probe, real_lora, guard, model_capture_mode, name, shape, tokens, weights,
+                               args.hooks):
+                rows.append(row)
+                print(json.dumps(row) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
+            (out / "lora_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            (out / "lora_h200.md").write_text(markdown(rows, meta))
+        del weights
+        torch.cuda.empty_cache()
+    guard.deactivate()
+    print(markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

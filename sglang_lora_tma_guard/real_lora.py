@@ -1,0 +1,174 @@
+"""SGLang's own LoRA MoE hooks on a tiny problem, run by SGLang's own Triton MoE runner.
+
+What a server does for one MoE layer of a LoRA batch, without the server: a ``LoRAInfo`` built as
+SGLang's LoRA manager builds it (several adapters of mixed ranks padded to the largest, one adapter
+disabled, the batch's tokens in segments mapped to adapters, gate-up A with ``2*r`` rows), the
+hooks from ``sglang.srt.lora.lora_moe_runners.build_lora_hooks`` (their deltas computed by
+SGLang's ``fused_moe_lora`` Triton kernels), and ``TritonRunnerCore.run`` calling the fused-MoE
+sequence with them. Used by the tests (CPU, Triton's interpreter) and the H200 benchmarks.
+
+On a CPU, SGLang registers its LoRA kernels for CUDA only: :func:`enable_cpu_lora_ops` gives the
+same Python launchers the CPU dispatch key. Its LoRA alignment has a CUDA kernel for larger batches
+and a Python one for small batches; on a CPU the Python one serves every batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .probe import MoEProblem, ensure_server_args, sequence_kwargs
+
+_cpu_library = None  # kept alive: registrations live as long as their Library object
+
+
+def enable_cpu_lora_ops() -> None:
+    """Give ``torch.ops.sglang.fused_moe_lora`` (and its shrink/expand) a CPU implementation."""
+    global _cpu_library
+    if _cpu_library is not None:
+        return
+    from sglang.kernels.ops.moe import fused_moe_lora_kernel as kernels
+
+    library = torch.library.Library("sglang", "IMPL")
+    for name, function in (("fused_moe_lora", kernels._fused_moe_lora),
+                           ("fused_moe_lora_shrink", kernels._fused_moe_lora_shrink),
+                           ("fused_moe_lora_expand", kernels._fused_moe_lora_expand)):
+        library.impl(name, function, "CPU")
+    _cpu_library = library
+    from sglang.srt.lora import lora_moe_runners
+
+    if not hasattr(lora_moe_runners, "moe_lora_align_block_size"):  # imported on GPUs only
+        lora_moe_runners.moe_lora_align_block_size = _align_on_cpu
+
+
+def _align_on_cpu(topk_ids, seg_indptr, req_to_lora, num_experts, block_size_m, max_loras,
+                  max_num_tokens_padded, max_num_m_blocks, sorted_token_ids, expert_ids,
+                  num_tokens_post_padded, adapter_enabled, lora_ids, **_buffers):
+    """The CUDA alignment kernel's contract, filled by SGLang's own small-batch (Python) alignment."""
+    from sglang.srt.lora.lora_moe_runners import _naive_moe_lora_align_block_size
+
+    results = _naive_moe_lora_align_block_size(
+        topk_ids, seg_indptr, req_to_lora, num_experts, block_size_m, max_loras,
+        max_num_tokens_padded, max_num_m_blocks, adapter_enabled, topk_ids.device)
+    for out, result in zip((sorted_token_ids, expert_ids, num_tokens_post_padded), results):
+        out.copy_(result)
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """A batch's adapters: ranks (padded to the largest in the buffers), which are enabled, and
+    the batch's segments (token counts) with the adapter each uses (-1: the base model)."""
+
+    ranks: tuple[int, ...] = (8, 16, 4)
+    enabled: tuple[bool, ...] = (True, True, False)
+    segments: tuple[int, ...] | None = None
+    """Token counts per segment; None: one segment per adapter slot, tokens spread evenly."""
+    segment_adapters: tuple[int, ...] | None = None
+    lora_experts: int | None = None
+    """Experts in the LoRA buffers; None: as many as the runner (see the fused-shared-expert test)."""
+    scale: float = 0.3
+
+
+def make_lora_info(problem: MoEProblem, adapters: Adapters = Adapters(), *, seed: int = 0, cg_buffers=None):
+    """SGLang's ``LoRAInfo`` for ``problem``, with random adapter weights, as its LoRA manager lays it out."""
+    from sglang.srt.lora.lora_moe_runners import LoRAInfo
+
+    tokens = problem.hidden_states.shape[0]
+    device, dtype = problem.hidden_states.device, problem.hidden_states.dtype
+    experts = adapters.lora_experts or problem.num_experts
+    hidden = problem.w2.shape[1]
+    intermediate = problem.w2.shape[2]
+    loras, rank = len(adapters.ranks), max(adapters.ranks)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def weights(rows, cols, ranks_on_rows):
+        w = torch.randn(loras, experts, rows, cols, generator=gen, device=device, dtype=dtype) * adapters.scale
+        for slot, r in enumerate(adapters.ranks):  # padded rank rows/columns stay zero, as in SGLang
+            if ranks_on_rows:
+                w[slot, :, r:rank] = 0
+            else:
+                w[slot, :, :, r:] = 0
+        return w
+
+    gate_up_a = torch.cat([weights(rank, hidden, True), weights(rank, hidden, True)], dim=2)  # gate, up
+    gate_up_b = weights(2 * intermediate, rank, False)
+    down_a = weights(rank, intermediate, True)
+    down_b = weights(hidden, rank, False)
+
+    segments, owners = _segments(tokens, adapters)
+    seg_indptr = torch.tensor([0, *torch.tensor(segments).cumsum(0).tolist()], dtype=torch.int32)
+    req_to_lora = torch.tensor(owners, dtype=torch.int32)
+    token_lora = torch.repeat_interleave(req_to_lora, torch.tensor(segments))
+    as_device = dict(device=device)
+    return LoRAInfo(
+        gate_up_lora_a_weights=gate_up_a,
+        gate_up_lora_b_weights=gate_up_b,
+        down_lora_a_weights=down_a,
+        down_lora_b_weights=down_b,
+        seg_indptr=seg_indptr.to(**as_device),
+        req_to_lora=req_to_lora.to(**as_device),
+        lora_ranks=torch.tensor(adapters.ranks, dtype=torch.int32, **as_device),
+        adapter_enabled=torch.tensor([int(e) for e in adapters.enabled], dtype=torch.int32, **as_device),
+        token_lora_mapping=token_lora.to(dtype=torch.int32, **as_device),
+        max_lora_rank=rank,
+        num_experts=problem.num_experts,
+        has_active_lora=True,
+        cg_buffers=cg_buffers,
+        hidden_size=hidden,
+    )
+
+
+def _segments(tokens: int, adapters: Adapters) -> tuple[list[int], list[int]]:
+    if adapters.segments is not None:
+        assert sum(adapters.segments) == tokens and len(adapters.segments) == len(adapters.segment_adapters)
+        return list(adapters.segments), list(adapters.segment_adapters)
+    # One segment per adapter slot plus one for the base model, tokens spread evenly.
+    owners = [*range(len(adapters.ranks)), -1]
+    sizes = [tokens // len(owners) + (i < tokens % len(owners)) for i in range(len(owners))]
+    kept = [(s, o) for s, o in zip(sizes, owners) if s]
+    return [s for s, _ in kept], [o for _, o in kept]
+
+
+def lora_hooks(problem: MoEProblem, lora_info):
+    """The hooks SGLang's runner builds for this batch (``build_lora_hooks``)."""
+    from sglang.srt.lora.lora_moe_runners import build_lora_hooks
+
+    return build_lora_hooks(problem.hidden_states, lora_info, problem.topk_ids)
+
+
+def run_runner(problem: MoEProblem, hooks, *, use_tma: bool) -> torch.Tensor:
+    """One call of SGLang's ``TritonRunnerCore.run``, as its MoE runner makes it with LoRA.
+
+    The runner imports the fused-MoE sequence at call time, so an installed guard is on the path;
+    the routing (alignment and tuned configs) is the problem's own, given as SGLang's pre-permute
+    step would give it, with ``down_moe_use_tma`` as its config lookup would decide.
+    """
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+    from sglang.srt.layers.moe.moe_runner.triton import (
+        TritonMoeQuantInfo,
+        TritonRunnerCore,
+        TritonRunnerInput,
+    )
+
+    ensure_server_args()
+    kwargs = sequence_kwargs(problem, None)
+    num_experts = problem.num_experts
+    core = TritonRunnerCore(MoeRunnerConfig(
+        num_experts=num_experts, num_local_experts=num_experts, top_k=problem.topk_ids.shape[1],
+        hidden_size=problem.w2.shape[1], intermediate_size_per_partition=problem.w2.shape[2],
+        activation=kwargs["activation"], is_gated=kwargs["is_gated"], inplace=True,
+    ))
+    quant = TritonMoeQuantInfo(
+        w13_weight=problem.w1, w2_weight=problem.w2, use_fp8_w8a8=True,
+        w13_scale=problem.w1_scale, w2_scale=problem.w2_scale, block_shape=kwargs["block_shape"],
+    )
+    sorted_ids, expert_ids, post_padded = problem.alignment
+    runner_input = TritonRunnerInput(
+        hidden_states=problem.hidden_states.clone(), topk_weights=problem.topk_weights,
+        topk_ids=problem.topk_ids, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
+        num_tokens_post_padded=post_padded,
+    )
+    state = {"config": dict(problem.config), "down_config": dict(problem.down_config),
+             "down_moe_use_tma": use_tma}
+    return core.run(runner_input, quant, state, hooks=hooks).hidden_states
