@@ -11,7 +11,11 @@ def portable_helper_ops() -> None:
     activation and sum then run as plain PyTorch/Triton, while the fused-MoE Triton kernels, the
     subject of these benchmarks, still run on the GPU with real TMA descriptors.
     """
+    import os
+
     try:
         import sgl_kernel  # noqa: F401
     except ImportError:
+        if os.environ.get("E2E"):  # the server kit carries sgl_kernel: its absence is an error there
+            raise
         torch.version.cuda = None

@@ -3,6 +3,8 @@
     python client.py run PORT OUT.json      one request per adapter and prompt alone, then waves of
                                             4, 16 and 64 concurrent requests mixing the base model and
                                             four adapters (prefill lengths 3-48), then a timed load
+    python client.py load PORT OUT.json     throughput only: one warm-up wave, then 5 timed waves of 64
+                                            concurrent requests x 256 new tokens (base and four adapters)
     python client.py compare REF.json A.json [B.json ...]   per request: equal, or the first differing token
 """
 
@@ -60,6 +62,19 @@ def run(port: int) -> dict:
                                          "tokens_per_s": round(generated / best, 1)}}
 
 
+def load(port: int, waves: int = 5, new_tokens: int = 256) -> dict:
+    jobs = [(prompt(300 + k), KINDS[k % len(KINDS)]) for k in range(64)]
+    wave(port, jobs, new_tokens)  # warm-up: every kernel this load needs is compiled before timing
+    timed = []
+    for _ in range(waves):
+        started = time.perf_counter()
+        generated = sum(len(r) for r in wave(port, jobs, new_tokens))
+        timed.append(generated / (time.perf_counter() - started))
+    timed.sort()
+    return {"requests": 64, "new_tokens_per_request": new_tokens, "tokens_per_s_waves": [round(t, 1) for t in timed],
+            "tokens_per_s_median": round(timed[len(timed) // 2], 1)}
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for k, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -73,8 +88,8 @@ def compare(reference: dict, other: dict) -> dict:
 
 
 def main(argv) -> int:
-    if argv[0] == "run":
-        result = run(int(argv[1]))
+    if argv[0] in ("run", "load"):
+        result = run(int(argv[1])) if argv[0] == "run" else {"load": load(int(argv[1]))}
         with open(argv[2], "w") as f:
             json.dump(result, f)
         print(json.dumps(result["load"]))

@@ -26,7 +26,7 @@ for whl in "$kit/wheels"/*.whl; do
   if basename "$whl" | grep -Eq "$extra_re"; then cp "$whl" "$kit/extra/"; else unzip -qo "$whl" -d "$site"; fi
 done
 rm -f "$site"/sgl_kernel/flash_ops*.so "$site"/sgl_kernel/*/flash_ops*.so
-rm -rf "$site"/sgl_kernel/sm100 "$site"/sgl_kernel/*infllm* "$site"/sgl_kernel/*flashmla* "$site"/sgl_kernel/flashmla*
+rm -rf "$site"/sgl_kernel/sm100 "$site"/sgl_kernel/infllm_ops*.so "$site"/sgl_kernel/flashmla_ops*.so
 find "$site" -name '*.a' -path '*xgrammar*' -delete
 find "$site" -name '__pycache__' -prune -exec rm -rf {} +
 # Two parts of under 60 MB each: sglang's own tree and sgl_kernel in one, everything else in the other.

@@ -5,8 +5,10 @@
 #   bash run_servers.sh tp1   guard on | guard off, then reference | guard off without CUDA graphs,
 #                             two servers at a time, one per GPU
 #   bash run_servers.sh tp2   guard on, then reference, tensor parallel 2 over both GPUs
+#   bash run_servers.sh load  throughput only (client.py load), one server at a time: guard (weight
+#                             TMA), guard (plain fix), guard off, guard off without CUDA graphs, guard again
 # The reference's MoE configs never say USE_TMA (copies of SGLang's tuned E=80,N=640 configs without it).
-# Writes $OUT/server-NAME.log, $OUT/out-NAME.json, $OUT/verdict-MODE.txt.
+# Writes $OUT/server-NAME.log, $OUT/run-NAME.json (or load-NAME.json), $OUT/verdict-MODE.txt.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 mode=${1:-tp1}; tp=1; [ "$mode" = tp2 ] && tp=2
@@ -20,6 +22,7 @@ for f in $cfg/triton_3_5_1/E=80,N=640,device_name=NVIDIA_H200,dtype=fp8_w8a8,blo
     "$f" "$S/notma/configs/triton_3_6_0/$(basename "$f")"
 done
 
+task=run; [ "$mode" = load ] && task=load
 serve() {  # NAME GPUS PORT [EXTRA_ARGS...] -- ENV...
   local name=$1 gpus=$2 port=$3; shift 3
   local args=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do args+=("$1"); shift; done; shift
@@ -33,20 +36,27 @@ serve() {  # NAME GPUS PORT [EXTRA_ARGS...] -- ENV...
     curl -s 127.0.0.1:$port/health >/dev/null 2>&1 && { ok=1; break; }
     kill -0 $pid 2>/dev/null || break; sleep 2
   done
-  if [ $ok = 1 ]; then python3 $here/client.py run $port $OUT/out-$name.json 2>>$OUT/server-$name.log | sed "s/^/== $name load: /"
+  if [ $ok = 1 ]; then python3 $here/client.py $task $port $OUT/$task-$name.json 2>>$OUT/server-$name.log | sed "s/^/== $name load: /"
   else echo "== $name: server did not come up"; tail -5 $OUT/server-$name.log; fi
   echo "== $name guard lines:"; grep -h "lora-tma-guard" $OUT/server-$name.log | cut -c1-220 | head -8
   kill $pid 2>/dev/null; wait $pid 2>/dev/null
 }
 
-if [ $tp = 1 ]; then
+if [ $mode = load ]; then
+  # One server at a time on one GPU, guard first and last to show the drift between runs.
+  serve guard 0 30001 -- SGLANG_LORA_TMA_GUARD=1
+  serve plain 0 30003 -- SGLANG_LORA_TMA_GUARD=plain
+  serve noguard 0 30002 -- SGLANG_LORA_TMA_GUARD=0
+  serve nocudagraph 0 30004 --disable-cuda-graph -- SGLANG_LORA_TMA_GUARD=0
+  serve guard-again 0 30001 -- SGLANG_LORA_TMA_GUARD=1
+elif [ $tp = 1 ]; then
   serve guard 0 30001 -- SGLANG_LORA_TMA_GUARD=1 & serve noguard 1 30002 -- SGLANG_LORA_TMA_GUARD=0 & wait
   serve notma 0 30003 -- SGLANG_LORA_TMA_GUARD=0 SGLANG_MOE_CONFIG_DIR=$S/notma &
   serve nocudagraph 1 30004 --disable-cuda-graph -- SGLANG_LORA_TMA_GUARD=0 & wait
-  python3 $here/client.py compare $OUT/out-notma.json $OUT/out-guard.json $OUT/out-noguard.json \
-    $OUT/out-nocudagraph.json | tee $OUT/verdict-tp1.txt
+  python3 $here/client.py compare $OUT/run-notma.json $OUT/run-guard.json $OUT/run-noguard.json \
+    $OUT/run-nocudagraph.json | tee $OUT/verdict-tp1.txt
 else
   serve guard-tp2 0,1 30005 -- SGLANG_LORA_TMA_GUARD=1
   serve notma-tp2 0,1 30006 -- SGLANG_LORA_TMA_GUARD=0 SGLANG_MOE_CONFIG_DIR=$S/notma
-  python3 $here/client.py compare $OUT/out-notma-tp2.json $OUT/out-guard-tp2.json | tee $OUT/verdict-tp2.txt
+  python3 $here/client.py compare $OUT/run-notma-tp2.json $OUT/run-guard-tp2.json | tee $OUT/verdict-tp2.txt
 fi
