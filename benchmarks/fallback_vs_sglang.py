@@ -23,6 +23,11 @@ import torch
 
 from h200_proof import SHAPES, capture, load_sglang, lookup_configs, replay_ms
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from reference import reference_moe  # noqa: E402  (the PyTorch reference lives with the tests)
+
+from sglang_lora_tma_guard.probe import rel_err  # noqa: E402
+
 TOKENS = [1, 8, 32, 64, 256, 1024, 4096, 8192]
 
 
@@ -40,10 +45,6 @@ def copy_bandwidth(gib: float = 4.0) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return 2 * src.numel() / best
-
-
-def rel_err(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def measure(probe, fallback, shape, tokens, weights, bandwidth) -> dict:
@@ -86,7 +87,7 @@ def reference_checks(probe, fallback) -> list[dict]:
                                      intermediate=256, seed=tokens, device="cuda", dtype=torch.bfloat16)
         hooks = probe.lora_hooks(problem)
         ours = fallback.fused_moe_hooked(probe.call_arguments(problem, hooks))
-        reference = fallback.reference_moe(
+        reference = reference_moe(
             {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in probe.call_arguments(problem, None).items()
              } | {"hooks": _cpu_hooks(probe, problem)})
         results.append({"tokens": tokens, "experts": experts, "topk": topk,

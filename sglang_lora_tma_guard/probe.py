@@ -343,6 +343,12 @@ ROW_TOLERANCE = 1e-2
 """A row counts as wrong when its relative L2 error exceeds 1% or it holds a NaN/inf."""
 
 
+def rel_err(output: torch.Tensor, reference: torch.Tensor) -> float:
+    """Relative L2 error of ``output`` against ``reference``, over the whole tensor."""
+    out, ref = output.float(), reference.float()
+    return float((out - ref).norm() / ref.norm().clamp(min=1e-12))
+
+
 def compare(output: torch.Tensor, reference: torch.Tensor) -> Comparison:
     out, ref = output.float().flatten(1), reference.float().flatten(1)
     diff = (out - ref).abs()
@@ -354,5 +360,5 @@ def compare(output: torch.Tensor, reference: torch.Tensor) -> Comparison:
         max_abs_diff=float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0,
         max_rel_err=float(rel.nan_to_num(nan=float("inf")).max()) if rel.numel() else 0.0,
         identical=torch.equal(output, reference),
-        rel_err=float((out - ref).norm() / ref.norm().clamp(min=1e-12)),
+        rel_err=rel_err(out, ref),
     )

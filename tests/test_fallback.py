@@ -14,31 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
+from reference import interpreter_fp8, reference_moe
 from sglang_lora_tma_guard import fallback, probe
 
 pytestmark = pytest.mark.real
 
 
-@triton.jit
-def _to_fp8_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
-
-
-def interpreter_fp8(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    out = torch.empty(t.shape, dtype=torch.float8_e4m3fn)
-    _to_fp8_kernel[(triton.cdiv(t.numel(), 1024),)](t, out, t.numel(), BLOCK=1024)
-    return out
-
-
-def rel_err(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
-
-
+rel_err = probe.rel_err
 call_args = probe.call_arguments
 
 
@@ -104,7 +87,7 @@ def test_fallback_matches_the_pytorch_reference(fm, name):
         over["b2"] = (torch.randn(problem.num_experts, problem.w2.shape[1], generator=gen) * 0.1).to(dtype)
     hooks = probe.lora_hooks(problem)
     ours = fallback.fused_moe_hooked(call_args(problem, hooks, **over))
-    reference = fallback.reference_moe(call_args(problem, hooks, **over), to_fp8=interpreter_fp8)
+    reference = reference_moe(call_args(problem, hooks, **over), to_fp8=interpreter_fp8)
     assert ours.shape == reference.shape
     assert torch.isfinite(ours).all()
     assert rel_err(ours, reference) < 2e-3, rel_err(ours, reference)

@@ -1,0 +1,147 @@
+"""SGLang's own LoRA MoE hooks, run by SGLang's own Triton MoE runner, with and without the guard.
+
+``build_lora_hooks`` with a ``LoRAInfo`` laid out as SGLang's LoRA manager lays it out (three adapters
+of ranks 8, 16 and 4 padded to 16, the third disabled, the batch in segments for each adapter and the
+base model), its ``fused_moe_lora`` Triton kernels, and ``TritonRunnerCore.run``, all from the
+``sglang==0.5.16`` wheel, on Triton's CPU interpreter. The plugin is loaded by SGLang's
+``load_plugins()``. The references are SGLang's non-TMA path and, for what SGLang's LoRA should
+compute, the plain PyTorch reference in ``tests/reference.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sglang_lora_tma_guard as guard
+from reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
+from sglang_lora_tma_guard import probe, real_lora
+
+pytestmark = pytest.mark.real
+
+WEIGHT_TMA = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
+FULL_TMA = [{"a_use_tma": False, "b_use_tma": False, "c_sorted": True},
+            {"a_use_tma": True, "b_use_tma": True, "c_sorted": False}]
+
+
+def small_problem(tokens=7, experts=8, topk=2, seed=0):
+    return probe.make_problem(num_tokens=tokens, num_experts=experts, topk=topk, hidden=128,
+                              intermediate=128, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def lora_ops(fm):
+    real_lora.enable_cpu_lora_ops()
+
+
+@pytest.fixture(scope="module")
+def case(lora_ops):
+    """One batch: 7 tokens in segments for adapters 0, 1, 2 (disabled) and the base model."""
+    problem = small_problem()
+    info = real_lora.make_lora_info(problem, seed=1)
+    reference = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=False)
+    return problem, info, reference
+
+
+@pytest.fixture
+def plugins(fm, monkeypatch):
+    import sglang.srt.plugins as sglang_plugins
+
+    def load(value="1"):
+        monkeypatch.setenv("SGLANG_LORA_TMA_GUARD", value)
+        monkeypatch.setattr(sglang_plugins, "_plugins_loaded", False)
+        sglang_plugins.load_plugins()
+        return guard.status()
+
+    yield load
+    guard.deactivate()
+
+
+def expected(problem, hooks):
+    """The plain PyTorch reference MoE with ``hooks`` (None: no adapter at all)."""
+    from types import SimpleNamespace
+
+    args = probe.call_arguments(problem, hooks or SimpleNamespace(after_gate_up=None, after_down=None))
+    return reference_moe(args, to_fp8=interpreter_fp8)
+
+
+rel_err = probe.rel_err
+
+
+@pytest.mark.parametrize("topk", [2, 1], ids=["top-2", "top-1"])
+def test_sglangs_lora_hooks_add_the_adapters_deltas(lora_ops, topk):
+    """On SGLang's non-TMA path its LoRA hooks compute what the adapters say, top-1 included."""
+    problem = small_problem(topk=topk, seed=topk)
+    info = real_lora.make_lora_info(problem, seed=topk)
+    output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=False)
+    with_lora, without = expected(problem, ReferenceLoRAHooks(info)), expected(problem, None)
+    assert rel_err(output, with_lora) < 1e-2, rel_err(output, with_lora)
+    assert rel_err(output, without) > 0.1  # the adapters do change the output
+
+
+def test_unguarded_sglang_lora_on_the_tma_path_is_wrong(case):
+    problem, info, reference = case
+    output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    result = probe.compare(output, reference)
+    # Rows of the enabled adapters' tokens (the first segments) are wrong at least.
+    assert result.rows_wrong >= 4, result
+
+
+NO_TMA = {"a_use_tma": False, "b_use_tma": False, "c_sorted": False}
+
+
+@pytest.mark.parametrize("switch, strategy, each_launch", [("1", "weight_tma", WEIGHT_TMA),
+                                                             ("plain", "flag", NO_TMA)])
+def test_guarded_sglang_lora_is_bit_identical_to_the_non_tma_path(case, plugins, launches, switch, strategy,
+                                                                 each_launch):
+    problem, info, reference = case
+    assert plugins(switch).strategy == strategy
+    output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    assert torch.equal(output, reference), probe.compare(output, reference)
+    assert launches == [each_launch] * 2
+
+
+def test_a_batch_without_an_active_adapter_keeps_full_tma(case, plugins, launches):
+    """SGLang builds hooks with nothing set when no adapter is active: the guard lets TMA through."""
+    from dataclasses import replace
+
+    problem, info, _ = case
+    plugins()
+    idle = replace(info, has_active_lora=False)
+    hooks = real_lora.lora_hooks(problem, idle)
+    assert hooks.after_gate_up is None and hooks.after_down is None
+    output = real_lora.run_runner(problem, hooks, use_tma=True)
+    assert launches == FULL_TMA
+    guard.deactivate()
+    assert torch.equal(output, real_lora.run_runner(problem, hooks, use_tma=True))
+
+
+def test_fused_shared_expert_routes_read_lora_weights_out_of_range(lora_ops):
+    """SGLang 0.5.16, not the TMA bug: with a fused shared expert (DeepSeek/GLM style) the runner
+    counts one more expert (E=9 here, like 257) than the LoRA buffers hold (8, like 256). Every token
+    routes to the shared expert, and SGLang's LoRA kernels index the buffers with its id: they read
+    past that adapter's experts (into the next adapter's, or past the buffer for the last one) and add
+    a delta nobody trained. The guard does not change this; the README says so."""
+    experts = 8
+    problem = small_problem(experts=experts + 1, topk=3, seed=5)
+    problem.topk_ids[:, -1] = experts  # the fused shared expert's slot, as SGLang's top-k fills it
+    problem.topk_weights[:, -1] = 1.0
+    problem.__dict__.pop("alignment", None)
+    # A third, disabled slot after the two adapters in use, as SGLang's pool has spare slots: the
+    # reads past each adapter's experts then stay inside the buffer (past its end they read freed or
+    # foreign memory: NaN on this CPU, an illegal address or garbage on a GPU).
+    adapters = real_lora.Adapters(ranks=(8, 8, 8), enabled=(True, True, False), segments=(4, 3),
+                                  segment_adapters=(0, 1), lora_experts=experts)
+    info = real_lora.make_lora_info(problem, adapters, seed=5)
+    output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=False)
+    correct = expected(problem, ReferenceLoRAHooks(info))  # no adapter delta on the shared expert
+    assert probe.compare(output, correct).rows_wrong == 7, probe.compare(output, correct)
+    # With one zero expert appended to each buffer, SGLang computes the same as the reference.
+    pad = {name: torch.cat([w, torch.zeros_like(w[:, :1])], dim=1) for name, w in (
+        ("gate_up_lora_a_weights", info.gate_up_lora_a_weights), ("gate_up_lora_b_weights", info.gate_up_lora_b_weights),
+        ("down_lora_a_weights", info.down_lora_a_weights), ("down_lora_b_weights", info.down_lora_b_weights))}
+    from dataclasses import replace
+
+    padded = replace(info, **pad)
+    fixed = real_lora.run_runner(problem, real_lora.lora_hooks(problem, padded), use_tma=False)
+    assert rel_err(fixed, correct) < 1e-2, rel_err(fixed, correct)
