@@ -23,6 +23,7 @@ from pathlib import Path
 AFFECTED = ["0.5.11", "0.5.12.post1", "0.5.13.post1", "0.5.14", "0.5.15.post1", "0.5.16"]
 FIXED = ["0.5.17", "0.5.20", "0.5.23"]
 VERSIONS = AFFECTED + FIXED
+WEIGHT_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
 
 
 def cache_dir() -> Path:
@@ -63,7 +64,7 @@ def probe(version: str) -> dict:
 
 def row(report: dict) -> str:
     if "error" in report:
-        return f"| {report['version']} | error | | | | | |"
+        return f"| {report['version']} | error | | | | | | |"
     target, result = report["target"], report.get("selftest") or {}
     cases = result.get("cases") or []
     wrong = ", ".join(f"{c['rows_wrong_without_guard']}/{c['tokens']}" for c in cases) or "–"
@@ -71,17 +72,19 @@ def row(report: dict) -> str:
                   else "DIFFERENT" if cases else "–")
     hookless = ("untouched" if cases and all(c["hookless_untouched"] for c in cases)
                 else "CHANGED" if cases else "–")
+    weights = ("yes" if cases and all(c["guarded_launches"] == [WEIGHT_TMA_LAUNCH] * 2 for c in cases)
+               else "no" if cases else "–")
     outcome = {True: "PASS", False: "FAIL", None: "not needed"}[result.get("passed")]
     return (f"| {report['version']} | {target.get('strategy')} | "
-            f"{'yes' if target.get('native_guard') else 'no'} | {wrong} | {with_guard} | "
+            f"{'yes' if target.get('native_guard') else 'no'} | {wrong} | {with_guard} | {weights} | "
             f"{hookless} | {outcome} |")
 
 
 def markdown(reports: list[dict]) -> str:
     return "\n".join([
         "| sglang | strategy | native guard | rows wrong without the guard | with the guard | "
-        "hook-less calls | self-test |",
-        "|---|---|---|---|---|---|---|",
+        "TMA weights | hook-less calls | self-test |",
+        "|---|---|---|---|---|---|---|---|",
         *(row(r) for r in reports),
     ])
 

@@ -28,12 +28,22 @@ def fused_moe_module():
 
 
 def ensure_server_args() -> None:
-    """Give SGLang the two server settings the sequence reads, outside a server process only.
+    """Give SGLang the server settings the sequence reads, outside a server process only.
 
-    0.5.11-0.5.15 read them through ``server_args.get_global_server_args()``, later releases
-    through ``runtime_context.get_server_args()``.
+    0.5.11-0.5.15 read them through ``server_args.get_global_server_args()``, 0.5.16 through
+    ``runtime_context.get_server_args()``, 0.5.17 on through resolved namespaces
+    (``get_exec().moe``), published by a server; outside one, the fused-MoE module is given a
+    stand-in that answers the one setting the sequence reads there.
     """
     settings = SimpleNamespace(enable_fused_moe_sum_all_reduce=False, enable_deterministic_inference=False)
+    module = fused_moe_module()
+    get_exec = getattr(module, "get_exec", None)
+    if get_exec is not None:
+        try:
+            get_exec().moe
+        except Exception:  # not published: no server in this process
+            module.get_exec = lambda: SimpleNamespace(moe=settings)
+        return
     try:
         from sglang.srt import runtime_context
     except ImportError:

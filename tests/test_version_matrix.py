@@ -10,13 +10,15 @@ import version_matrix  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
+WEIGHT_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
+
 
 @pytest.mark.parametrize("version", version_matrix.AFFECTED)
 def test_affected_release_is_wrong_unguarded_and_bit_identical_guarded(version):
     report = version_matrix.probe(version)
     assert "error" not in report, report.get("error")
     assert report["environment"]["sglang"] == version
-    assert report["target"]["strategy"] == "flag"
+    assert report["target"]["strategy"] == "weight_tma" and not report["target"]["native_guard"]
     assert report["verdict"]["status"] == "exposed" and report["exit_code"] == 1  # switch is off
     result = report["selftest"]
     assert result["passed"] is True and result["exposed_without_guard"] is True
@@ -24,11 +26,16 @@ def test_affected_release_is_wrong_unguarded_and_bit_identical_guarded(version):
         assert case["rows_wrong_without_guard"] == case["tokens"]
         assert case["identical_with_guard"] and case["max_abs_diff_with_guard"] == 0.0
         assert case["hookless_untouched"]
+        assert case["guarded_launches"] == [WEIGHT_TMA_LAUNCH] * 2
 
 
 @pytest.mark.parametrize("version", version_matrix.FIXED)
-def test_fixed_release_is_recognised_and_left_alone(version):
+def test_fixed_release_is_recognised_and_sped_up(version):
     report = version_matrix.probe(version)
     assert "error" not in report, report.get("error")
-    assert report["target"]["strategy"] == "native" and report["target"]["native_guard"]
+    assert report["target"]["strategy"] == "weight_tma" and report["target"]["native_guard"]
     assert report["verdict"]["status"] == "not-affected" and report["exit_code"] == 0
+    result = report["selftest"]
+    assert result["passed"] is True and result["exposed_without_guard"] is False
+    for case in result["cases"]:
+        assert case["identical_with_guard"] and case["guarded_launches"] == [WEIGHT_TMA_LAUNCH] * 2
