@@ -20,10 +20,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sglang_lora_tma_guard.probe import WEIGHT_TMA_LAUNCH  # noqa: E402
+
 AFFECTED = ["0.5.11", "0.5.12.post1", "0.5.13.post1", "0.5.14", "0.5.15.post1", "0.5.16"]
 FIXED = ["0.5.17", "0.5.20", "0.5.23"]
 VERSIONS = AFFECTED + FIXED
-WEIGHT_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
 
 
 def cache_dir() -> Path:

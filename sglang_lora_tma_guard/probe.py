@@ -234,6 +234,11 @@ def lora_hooks(problem: MoEProblem, gate_up: bool = True, down: bool = True):
 
 
 LAUNCH_FLAGS = ("a_use_tma", "b_use_tma", "c_sorted")
+NO_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": False, "c_sorted": False}
+WEIGHT_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
+"""Each GEMM launch of a hooked call under strategy weight_tma: activations route-major."""
+FULL_TMA_LAUNCHES = [{"a_use_tma": False, "b_use_tma": False, "c_sorted": True},   # gate-up
+                     {"a_use_tma": True, "b_use_tma": True, "c_sorted": False}]   # down
 
 
 @contextlib.contextmanager

@@ -15,9 +15,6 @@ import time
 TOKENS = (3, 17)
 """Two batch sizes: a ragged one and one whose routes span several kernel blocks."""
 
-WEIGHT_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
-"""Each GEMM launch of a guarded hooked call under strategy weight_tma."""
-
 
 def prepare(device: str | None = None) -> str:
     """Pick the device and, for the CPU, switch Triton's interpreter on. Call before importing SGLang."""
@@ -81,7 +78,7 @@ def run(device: str) -> dict:
         else not exposed  # nothing installed: SGLang has to get it right by itself
     )
     if strategy == "weight_tma":  # the speed-up must really be taken, and A must stay route-major
-        passed = passed and all(c["guarded_launches"] == [WEIGHT_TMA_LAUNCH] * 2 for c in cases)
+        passed = passed and all(c["guarded_launches"] == [probe.WEIGHT_TMA_LAUNCH] * 2 for c in cases)
     return {
         "device": device,
         "strategy": strategy,
@@ -93,6 +90,8 @@ def run(device: str) -> dict:
 
 
 def render(result: dict) -> list[str]:
+    from .probe import WEIGHT_TMA_LAUNCH
+
     lines = [f"Self-test ({result['device']}{', Triton interpreter' if result['device'] == 'cpu' else ''}, "
              f"{result['seconds']} s): block-fp8 MoE, 4 experts, top-2, LoRA hooks, TMA requested"]
     for c in result["cases"]:

@@ -95,9 +95,6 @@ def run_cases(indices) -> dict:
         return _run_cases(indices, launches)
 
 
-WEIGHT_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
-
-
 def _run_cases(indices, launches: list) -> dict:
     fm = probe.fused_moe_module()
     sglang_function = fm._fused_moe_kernel_sequence
@@ -141,7 +138,7 @@ def _run_cases(indices, launches: list) -> dict:
             else:
                 counts["hook-less, SGLang nondeterministic"] += 1
             continue
-        if launches != [WEIGHT_TMA_LAUNCH] * 2:
+        if launches != [probe.WEIGHT_TMA_LAUNCH] * 2:
             mismatches.append(["hooked call did not take weight TMA", case, launches])
         counts["weight tma"] += 1
         guard.deactivate()

@@ -94,8 +94,7 @@ def test_hookless_call_still_reaches_the_kernel_with_tma_on(sglang_plugins, prob
     assert torch.equal(guarded, probe.run_sequence(problem, use_tma=False, hooks=None))
 
 
-WEIGHT_TMA = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
-NO_TMA = {"a_use_tma": False, "b_use_tma": False, "c_sorted": False}
+WEIGHT_TMA, NO_TMA = probe.WEIGHT_TMA_LAUNCH, probe.NO_TMA_LAUNCH
 
 
 def test_hooked_call_keeps_tma_for_the_weights_only(sglang_plugins, problems, launches):

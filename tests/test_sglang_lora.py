@@ -19,9 +19,7 @@ from sglang_lora_tma_guard import probe, real_lora
 
 pytestmark = pytest.mark.real
 
-WEIGHT_TMA = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
-FULL_TMA = [{"a_use_tma": False, "b_use_tma": False, "c_sorted": True},
-            {"a_use_tma": True, "b_use_tma": True, "c_sorted": False}]
+WEIGHT_TMA, NO_TMA, FULL_TMA = probe.WEIGHT_TMA_LAUNCH, probe.NO_TMA_LAUNCH, probe.FULL_TMA_LAUNCHES
 
 
 def small_problem(tokens=7, experts=8, topk=2, seed=0):
@@ -85,9 +83,6 @@ def test_unguarded_sglang_lora_on_the_tma_path_is_wrong(case):
     result = probe.compare(output, reference)
     # Rows of the enabled adapters' tokens (the first segments) are wrong at least.
     assert result.rows_wrong >= 4, result
-
-
-NO_TMA = {"a_use_tma": False, "b_use_tma": False, "c_sorted": False}
 
 
 @pytest.mark.parametrize("switch, strategy, each_launch", [("1", "weight_tma", WEIGHT_TMA),

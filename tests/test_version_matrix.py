@@ -7,10 +7,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import version_matrix  # noqa: E402
+from sglang_lora_tma_guard.probe import WEIGHT_TMA_LAUNCH  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
-WEIGHT_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
 
 
 @pytest.mark.parametrize("version", version_matrix.AFFECTED)

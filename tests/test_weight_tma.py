@@ -15,7 +15,7 @@ import sglang_lora_tma_guard as guard
 from sglang_lora_tma_guard import probe, weight_tma
 from sglang_lora_tma_guard.inspection import TARGET_NAME, Strategy, inspect_target
 
-WEIGHT_TMA = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
+WEIGHT_TMA = probe.WEIGHT_TMA_LAUNCH
 
 LAUNCHER = '''
 def invoke_fused_moe_kernel(A, B, C, *, a_use_tma=False, b_use_tma=False, c_sorted=False):
@@ -121,8 +121,7 @@ def test_hooked_and_hookless_calls_on_many_threads_each_get_their_own_path(tmp_p
         thread.start()
     for thread in threads:
         thread.join()
-    full_tma = [{"a_use_tma": False, "b_use_tma": False, "c_sorted": True},
-                {"a_use_tma": True, "b_use_tma": True, "c_sorted": False}]
+    full_tma = probe.FULL_TMA_LAUNCHES
     for name, launch in module.LAUNCHES:
         assert launch in ([WEIGHT_TMA] if name.startswith("hooked") else full_tma)
     assert len(module.LAUNCHES) == 8 * 200 * 2
