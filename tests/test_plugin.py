@@ -16,6 +16,50 @@ from sglang_lora_tma_guard.settings import read_switch
 def test_switch_values(value, enabled, valid):
     switch = read_switch({} if value is None else {"SGLANG_LORA_TMA_GUARD": value})
     assert (switch.enabled, switch.valid) == (enabled, valid)
+    assert switch.plain is False
+
+
+@pytest.mark.parametrize("value", ["plain", " Plain "])
+def test_plain_turns_the_guard_on_with_the_plain_fix(value):
+    switch = read_switch({"SGLANG_LORA_TMA_GUARD": value})
+    assert (switch.enabled, switch.valid, switch.plain) == (True, True, True)
+    assert "plain fix" in switch.describe()
+
+
+SCHEDULER = """
+import types
+from sglang.srt.plugins.hook_registry import HookRegistry
+target = "sglang.srt.managers.scheduler.configure_scheduler_process"
+if WITH_SCHEDULER:
+    # A stand-in for SGLang's scheduler module (its import needs GPU-only packages): the real
+    # configure_scheduler_process sets up the rank's logging, as this one does with a TP0 prefix.
+    scheduler = types.ModuleType("sglang.srt.managers.scheduler")
+    def configure_scheduler_process(*args, **kwargs):
+        logging.getLogger().handlers[0].setFormatter(logging.Formatter("[TP0] %(message)s"))
+        return "dp rank"
+    scheduler.configure_scheduler_process = configure_scheduler_process
+    sys.modules[scheduler.__name__] = scheduler
+    import sglang.srt.managers
+    sglang.srt.managers.scheduler = scheduler
+import sglang.srt.plugins
+sglang.srt.plugins.load_plugins()
+returned = sys.modules[scheduler.__name__].configure_scheduler_process(1, 2) if WITH_SCHEDULER else None
+result = dict(registered=len(HookRegistry._hooks.get(target, [])), returned=returned,
+              announced=[l for l in log().splitlines() if "active in this process" in l or "armed in" in l])
+"""
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("with_scheduler", [True, False], ids=["scheduler-process", "other-process"])
+def test_a_scheduler_process_announces_the_guard_after_its_logging_is_set_up(with_scheduler):
+    result = scenario.run(f"WITH_SCHEDULER = {with_scheduler}\n" + SCHEDULER, None,
+                          {"SGLANG_LORA_TMA_GUARD": "1", "TRITON_INTERPRET": "1"}, timeout=300)
+    if not with_scheduler:
+        assert result == dict(registered=0, returned=None, announced=[])
+        return
+    assert result["registered"] == 1 and result["returned"] == "dp rank"  # SGLang's result kept
+    [line] = result["announced"]
+    assert line.startswith("[TP0] sglang-lora-tma-guard: ")  # under the rank's own prefix
 
 
 REGISTER = """
