@@ -13,15 +13,13 @@ against the plain PyTorch reference. Writes ``fallback_vs_sglang.json`` / ``.md`
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-from h200_proof import SHAPES, capture, load_sglang, lookup_configs, replay_ms
+from h200_proof import SHAPES, benchmark_parser, capture, load_sglang, lookup_configs, replay_ms, results_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from reference import reference_moe  # noqa: E402  (the PyTorch reference lives with the tests)
@@ -123,12 +121,8 @@ def markdown(rows, meta) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = benchmark_parser(__doc__, TOKENS, shapes=False).parse_args(argv)
+    out = results_dir(args)
     probe = load_sglang()
     from sglang_lora_tma_guard import fallback
     from sglang_lora_tma_guard.inspection import sglang_version

@@ -39,6 +39,21 @@ SHAPES = {
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 
 
+def benchmark_parser(doc: str, tokens: list[int], shapes: bool = True) -> argparse.ArgumentParser:
+    """The options every H200 benchmark takes: --tokens, --out (default $OUT or results), --shapes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    if shapes:
+        parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=tokens)
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"), type=Path)
+    return parser
+
+
+def results_dir(args) -> Path:
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args.out
+
+
 def load_sglang():
     if not torch.cuda.is_available():
         sys.exit("h200_proof: needs a CUDA GPU")
@@ -218,13 +233,8 @@ def markdown(rows, meta) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = benchmark_parser(__doc__, TOKENS).parse_args(argv)
+    out = results_dir(args)
 
     probe = load_sglang()
     os.environ["SGLANG_LORA_TMA_GUARD"] = "1"

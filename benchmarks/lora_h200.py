@@ -23,16 +23,13 @@ interleaved. Writes ``lora_h200.json`` / ``.md`` under ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from h200_proof import SHAPES, capture, load_sglang, lookup_configs
+from h200_proof import SHAPES, benchmark_parser, capture, load_sglang, lookup_configs, results_dir
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 RANKS = (8, 16, 32, 64)
@@ -154,14 +151,10 @@ def markdown(rows, meta) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    parser = benchmark_parser(__doc__, TOKENS)
     parser.add_argument("--hooks", nargs="+", default=["style", "sglang"], choices=["style", "sglang"])
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args)
 
     probe = load_sglang()
     import triton

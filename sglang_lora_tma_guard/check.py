@@ -347,7 +347,7 @@ def render(report: dict) -> str:
                 f"  weights           {shape['dtype'] or 'bf16/fp16'}, fp8 block {block}",
                 f"  device            {found['device_name']}",
                 f"  down config       {found['down_config_file']}",
-                f"  TMA down path     "
+                "  TMA down path     "
                 + (f"batch sizes {_ranges(on)}: {len(on)} of {len(found['buckets'])} tuned buckets "
                    "(larger batches use the largest)" if on else f"never ({len(found['buckets'])} tuned buckets)"),
             ]

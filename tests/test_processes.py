@@ -1,7 +1,6 @@
 """Processes started the way SGLang starts its schedulers, and patch orders, on the real SGLang."""
 
 import multiprocessing
-import os
 
 import pytest
 

@@ -18,26 +18,6 @@ pytestmark = pytest.mark.real
 SIZES = [1, 5, 24]
 
 
-@pytest.fixture
-def sglang_plugins(fm, monkeypatch):
-    """SGLang's own ``load_plugins()``, as a fresh process would run it; undone afterwards."""
-    import sglang.srt.plugins as plugins
-
-    def load(env_value="1", allow_list=None):
-        if env_value is None:
-            monkeypatch.delenv("SGLANG_LORA_TMA_GUARD", raising=False)
-        else:
-            monkeypatch.setenv("SGLANG_LORA_TMA_GUARD", env_value)
-        if allow_list is not None:
-            monkeypatch.setenv("SGLANG_PLUGINS", allow_list)
-        monkeypatch.setattr(plugins, "_plugins_loaded", False)
-        plugins.load_plugins()
-        return guard.status()
-
-    yield load
-    guard.deactivate()
-
-
 @pytest.fixture(scope="module")
 def problems():
     return {n: probe.make_problem(num_tokens=n, seed=n) for n in SIZES}

@@ -41,20 +41,6 @@ def case(lora_ops):
     return problem, info, reference
 
 
-@pytest.fixture
-def plugins(fm, monkeypatch):
-    import sglang.srt.plugins as sglang_plugins
-
-    def load(value="1"):
-        monkeypatch.setenv("SGLANG_LORA_TMA_GUARD", value)
-        monkeypatch.setattr(sglang_plugins, "_plugins_loaded", False)
-        sglang_plugins.load_plugins()
-        return guard.status()
-
-    yield load
-    guard.deactivate()
-
-
 def expected(problem, hooks):
     """The plain PyTorch reference MoE with ``hooks`` (None: no adapter at all)."""
     from types import SimpleNamespace
@@ -87,21 +73,21 @@ def test_unguarded_sglang_lora_on_the_tma_path_is_wrong(case):
 
 @pytest.mark.parametrize("switch, strategy, each_launch", [("1", "weight_tma", WEIGHT_TMA),
                                                              ("plain", "flag", NO_TMA)])
-def test_guarded_sglang_lora_is_bit_identical_to_the_non_tma_path(case, plugins, launches, switch, strategy,
-                                                                 each_launch):
+def test_guarded_sglang_lora_is_bit_identical_to_the_non_tma_path(case, sglang_plugins, launches, switch,
+                                                                 strategy, each_launch):
     problem, info, reference = case
-    assert plugins(switch).strategy == strategy
+    assert sglang_plugins(switch).strategy == strategy
     output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
     assert torch.equal(output, reference), probe.compare(output, reference)
     assert launches == [each_launch] * 2
 
 
-def test_a_batch_without_an_active_adapter_keeps_full_tma(case, plugins, launches):
+def test_a_batch_without_an_active_adapter_keeps_full_tma(case, sglang_plugins, launches):
     """SGLang builds hooks with nothing set when no adapter is active: the guard lets TMA through."""
     from dataclasses import replace
 
     problem, info, _ = case
-    plugins()
+    sglang_plugins()
     idle = replace(info, has_active_lora=False)
     hooks = real_lora.lora_hooks(problem, idle)
     assert hooks.after_gate_up is None and hooks.after_down is None
