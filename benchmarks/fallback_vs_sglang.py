@@ -24,7 +24,7 @@ from h200_proof import SHAPES, benchmark_parser, capture, load_sglang, lookup_co
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from reference import reference_moe  # noqa: E402  (the PyTorch reference lives with the tests)
 
-from sglang_lora_tma_guard.probe import rel_err  # noqa: E402
+from sglang_lora_tma_guard.tiny_moe import rel_err  # noqa: E402
 
 TOKENS = [1, 8, 32, 64, 256, 1024, 4096, 8192]
 
@@ -45,18 +45,18 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     return 2 * src.numel() / best
 
 
-def measure(probe, fallback, shape, tokens, weights, bandwidth) -> dict:
+def measure(tiny_moe, fallback, shape, tokens, weights, bandwidth) -> dict:
     config, down_config, use_tma = lookup_configs(shape, tokens)
-    problem = probe.make_problem(num_tokens=tokens, topk=shape["topk"], rank=16, seed=tokens,
+    problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], rank=16, seed=tokens,
                                  device="cuda", dtype=torch.bfloat16, weights=weights,
                                  config=config, down_config=down_config)
-    hooks = probe.lora_hooks(problem)
+    hooks = tiny_moe.lora_hooks(problem)
 
     def sglang():
-        return probe.run_sequence(problem, use_tma=False, hooks=hooks)
+        return tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks)
 
     def ours():
-        return fallback.fused_moe_hooked(probe.call_arguments(problem, hooks))
+        return fallback.fused_moe_hooked(tiny_moe.call_arguments(problem, hooks))
 
     eager_sglang, eager_ours = sglang(), ours()
     g_sglang, out_sglang = capture(sglang)
@@ -77,29 +77,29 @@ def measure(probe, fallback, shape, tokens, weights, bandwidth) -> dict:
     return row
 
 
-def reference_checks(probe, fallback) -> list[dict]:
+def reference_checks(tiny_moe, fallback) -> list[dict]:
     """Small cases against the plain PyTorch reference, natively (GPU fp8 rounding = PyTorch's)."""
     results = []
     for tokens, experts, topk in [(1, 4, 2), (13, 8, 3), (5, 16, 9), (6, 257, 8)]:
-        problem = probe.make_problem(num_tokens=tokens, num_experts=experts, topk=topk, hidden=256,
+        problem = tiny_moe.make_problem(num_tokens=tokens, num_experts=experts, topk=topk, hidden=256,
                                      intermediate=256, seed=tokens, device="cuda", dtype=torch.bfloat16)
-        hooks = probe.lora_hooks(problem)
-        ours = fallback.fused_moe_hooked(probe.call_arguments(problem, hooks))
+        hooks = tiny_moe.lora_hooks(problem)
+        ours = fallback.fused_moe_hooked(tiny_moe.call_arguments(problem, hooks))
         reference = reference_moe(
-            {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in probe.call_arguments(problem, None).items()
-             } | {"hooks": _cpu_hooks(probe, problem)})
+            {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in tiny_moe.call_arguments(problem, None).items()
+             } | {"hooks": _cpu_hooks(tiny_moe, problem)})
         results.append({"tokens": tokens, "experts": experts, "topk": topk,
                         "rel_err_vs_reference": rel_err(ours.cpu(), reference)})
     return results
 
 
-def _cpu_hooks(probe, problem):
-    cpu = probe.MoEProblem(**{f: (getattr(problem, f).cpu() if torch.is_tensor(getattr(problem, f))
+def _cpu_hooks(tiny_moe, problem):
+    cpu = tiny_moe.MoEProblem(**{f: (getattr(problem, f).cpu() if torch.is_tensor(getattr(problem, f))
                                   else getattr(problem, f))
                               for f in ("hidden_states", "w1", "w2", "w1_scale", "w2_scale",
                                         "topk_weights", "topk_ids", "config", "down_config")},
                            lora={k: v.cpu() for k, v in problem.lora.items()})
-    return probe.lora_hooks(cpu)
+    return tiny_moe.lora_hooks(cpu)
 
 
 def markdown(rows, meta) -> str:
@@ -123,24 +123,24 @@ def markdown(rows, meta) -> str:
 def main(argv=None) -> int:
     args = benchmark_parser(__doc__, TOKENS, shapes=False).parse_args(argv)
     out = results_dir(args)
-    probe = load_sglang()
+    tiny_moe = load_sglang()
     from sglang_lora_tma_guard import fallback
     from sglang_lora_tma_guard.inspection import sglang_version
 
-    probe.fused_moe_module()
-    probe.ensure_server_args()
+    tiny_moe.fused_moe_module()
+    tiny_moe.ensure_server_args()
     import triton
 
     bandwidth = copy_bandwidth()
     meta = {"gpu": torch.cuda.get_device_name(0), "sglang": sglang_version(), "triton": triton.__version__,
             "copy_bandwidth_tb_s": bandwidth / 1e12}
-    meta["reference_checks"] = reference_checks(probe, fallback)
+    meta["reference_checks"] = reference_checks(tiny_moe, fallback)
     print(json.dumps(meta), flush=True)
     shape = SHAPES["glm51-fp8-tp8"]
-    weights = probe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
+    weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
     rows = []
     for tokens in args.tokens:
-        rows.append(measure(probe, fallback, shape, tokens, weights, bandwidth))
+        rows.append(measure(tiny_moe, fallback, shape, tokens, weights, bandwidth))
         print(json.dumps(rows[-1]), flush=True)
         (out / "fallback_vs_sglang.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (out / "fallback_vs_sglang.md").write_text(markdown(rows, meta))

@@ -63,9 +63,9 @@ def load_sglang():
     import warnings
 
     warnings.filterwarnings("ignore")
-    from sglang_lora_tma_guard import probe
+    from sglang_lora_tma_guard import tiny_moe
 
-    return probe
+    return tiny_moe
 
 
 def lookup_configs(shape: dict, tokens: int):
@@ -130,16 +130,16 @@ def host_us_per_call(fn, guard, calls=100, repeats=5) -> tuple[float, float]:
     return best[False], best[True]
 
 
-def measure(probe, guard, shape_name: str, shape: dict, tokens: int, weights) -> dict:
+def measure(tiny_moe, guard, shape_name: str, shape: dict, tokens: int, weights) -> dict:
     config, down_config, use_tma = lookup_configs(shape, tokens)
-    problem = probe.make_problem(
+    problem = tiny_moe.make_problem(
         num_tokens=tokens, topk=shape["topk"], rank=16, seed=tokens, device="cuda",
         dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config,
     )
-    hooks = probe.lora_hooks(problem)
+    hooks = tiny_moe.lora_hooks(problem)
 
     def call(tma, with_hooks):
-        return lambda: probe.run_sequence(problem, use_tma=tma, hooks=hooks if with_hooks else None)
+        return lambda: tiny_moe.run_sequence(problem, use_tma=tma, hooks=hooks if with_hooks else None)
 
     row = {"shape": shape_name, "tokens": tokens, "tma_config": use_tma,
            "block_m": config["BLOCK_SIZE_M"]}
@@ -159,8 +159,8 @@ def measure(probe, guard, shape_name: str, shape: dict, tokens: int, weights) ->
     g_good, out_good = capture(call(True, True))
     unguarded_host, guarded_host = host_us_per_call(call(True, False), guard)
 
-    eager_bad, eager_good = probe.compare(unguarded, reference), probe.compare(guarded, reference)
-    graph_bad, graph_good = probe.compare(out_bad, out_ref), probe.compare(out_good, out_ref)
+    eager_bad, eager_good = tiny_moe.compare(unguarded, reference), tiny_moe.compare(guarded, reference)
+    graph_bad, graph_good = tiny_moe.compare(out_bad, out_ref), tiny_moe.compare(out_good, out_ref)
     row.update(
         eager_rows_wrong_unguarded=eager_bad.rows_wrong,
         eager_max_rel_err_unguarded=eager_bad.max_rel_err,
@@ -183,25 +183,25 @@ def measure(probe, guard, shape_name: str, shape: dict, tokens: int, weights) ->
     return row
 
 
-def compiled_caller_check(probe, guard, tokens=8) -> dict:
+def compiled_caller_check(tiny_moe, guard, tokens=8) -> dict:
     """A caller compiled with torch.compile (backend "eager") on the GPU: is the guard applied?"""
     shape = SHAPES["glm51-fp8-tp8"]
     config, down_config, _ = lookup_configs(shape, tokens)
-    weights = probe.make_weights(shape["E"], shape["K"], shape["N"], seed=1, device="cuda")
-    problem = probe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=1, device="cuda",
+    weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=1, device="cuda")
+    problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=1, device="cuda",
                                  dtype=torch.bfloat16, weights=weights, config=config,
                                  down_config=down_config)
-    hooks = probe.lora_hooks(problem)
+    hooks = tiny_moe.lora_hooks(problem)
     guard.deactivate()
-    reference = probe.run_sequence(problem, use_tma=False, hooks=hooks)
+    reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks)
     result = {}
     for on in (False, True):
         guard.activate() if on else guard.deactivate()
         torch._dynamo.reset()
-        compiled = torch.compile(lambda: probe.run_sequence(problem, use_tma=True, hooks=hooks),
+        compiled = torch.compile(lambda: tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks),
                                  backend="eager")
         try:
-            verdict = probe.compare(compiled(), reference)
+            verdict = tiny_moe.compare(compiled(), reference)
             result["guard on" if on else "guard off"] = str(verdict)
         except Exception as exc:  # report, do not hide: Dynamo may not trace SGLang's function
             result["guard on" if on else "guard off"] = f"error: {type(exc).__name__}: {exc}"[:300]
@@ -236,15 +236,15 @@ def main(argv=None) -> int:
     args = benchmark_parser(__doc__, TOKENS).parse_args(argv)
     out = results_dir(args)
 
-    probe = load_sglang()
+    tiny_moe = load_sglang()
     os.environ["SGLANG_LORA_TMA_GUARD"] = "1"
     from sglang.srt.plugins import load_plugins
 
     import sglang_lora_tma_guard as guard
     from sglang_lora_tma_guard.inspection import sglang_version
 
-    probe.fused_moe_module()
-    probe.ensure_server_args()
+    tiny_moe.fused_moe_module()
+    tiny_moe.ensure_server_args()
     load_plugins()
     state = guard.status()
     if not state.installed:
@@ -258,17 +258,17 @@ def main(argv=None) -> int:
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]
-        weights = probe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
+        weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
         for tokens in args.tokens:
             t0 = time.perf_counter()
-            rows.append(measure(probe, guard, name, shape, tokens, weights))
+            rows.append(measure(tiny_moe, guard, name, shape, tokens, weights))
             print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
             (out / "h200_proof.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
             (out / "h200_proof.md").write_text(markdown(rows, meta))
         del weights
         torch.cuda.empty_cache()
     print(markdown(rows, meta))
-    meta["torch_compile"] = compiled_caller_check(probe, guard)
+    meta["torch_compile"] = compiled_caller_check(tiny_moe, guard)
     print("torch.compile:", json.dumps(meta["torch_compile"]))
     (out / "h200_proof.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0

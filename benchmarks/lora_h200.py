@@ -6,7 +6,7 @@ LoRA-style hooks and with SGLang's own LoRA hooks, eager and under CUDA-graph re
 
 Per shape and batch size (SGLang's own tuned configs, which say USE_TMA for these three H200 shapes):
 
-- ``style``: in-place low-rank adds per route (``probe.lora_hooks``), as in FACTS §7;
+- ``style``: in-place low-rank adds per route (``tiny_moe.lora_hooks``), as in FACTS §7;
 - ``sglang``: SGLang's ``build_lora_hooks`` with a ``LoRAInfo`` of 4 adapters (ranks 8, 16, 32, 64,
   padded to 64; the batch split among them and the base model), its ``fused_moe_lora`` kernels, the
   call made by SGLang's ``TritonRunnerCore.run``; graphs captured in SGLang's capture mode
@@ -67,19 +67,19 @@ def cg_buffers(problem, loras: int) -> dict:
     }
 
 
-def measure(probe, real_lora, guard, capture_mode, shape_name, shape, tokens, weights, kinds) -> list[dict]:
+def measure(tiny_moe, real_lora, guard, capture_mode, shape_name, shape, tokens, weights, kinds) -> list[dict]:
     config, down_config, use_tma = lookup_configs(shape, tokens)
-    problem = probe.make_problem(
+    problem = tiny_moe.make_problem(
         num_tokens=tokens, topk=shape["topk"], rank=16, seed=tokens, device="cuda", dtype=torch.bfloat16,
         weights=weights, config=config, down_config=down_config,
     )
     rows = []
     for kind in kinds:
         if kind == "style":
-            hooks = probe.lora_hooks(problem)
+            hooks = tiny_moe.lora_hooks(problem)
 
             def call(tma, hooked=True):
-                return probe.run_sequence(problem, use_tma=tma, hooks=hooks if hooked else None)
+                return tiny_moe.run_sequence(problem, use_tma=tma, hooks=hooks if hooked else None)
             in_capture = None
         else:
             adapters = real_lora.Adapters(ranks=RANKS, enabled=(True,) * len(RANKS))
@@ -113,8 +113,8 @@ def measure(probe, real_lora, guard, capture_mode, shape_name, shape, tokens, we
         graphs = {"off": g_off, "weight": g_weight, "full": g_full, "nohook": g_nohook}
         times = replay_all(graphs)
         row.update(
-            rows_wrong_full_eager=probe.compare(full, reference).rows_wrong,
-            rows_wrong_full_graph=probe.compare(out_full, out_ref).rows_wrong,
+            rows_wrong_full_eager=tiny_moe.compare(full, reference).rows_wrong,
+            rows_wrong_full_graph=tiny_moe.compare(out_full, out_ref).rows_wrong,
             weight_identical_eager=bool(torch.equal(weight, reference)),
             weight_identical_graph=bool(torch.equal(out_weight, out_ref)),
             off_identical_eager=bool(torch.equal(off, reference)),
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out = results_dir(args)
 
-    probe = load_sglang()
+    tiny_moe = load_sglang()
     import triton
     from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
@@ -164,18 +164,18 @@ def main(argv=None) -> int:
     from sglang_lora_tma_guard import real_lora
     from sglang_lora_tma_guard.inspection import sglang_version
 
-    probe.fused_moe_module()
-    probe.ensure_server_args()
+    tiny_moe.fused_moe_module()
+    tiny_moe.ensure_server_args()
     meta = {"sglang": sglang_version(), "torch": torch.__version__, "triton": triton.__version__,
             "gpu": torch.cuda.get_device_name(0), "ranks": RANKS}
     print(json.dumps(meta), flush=True)
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]
-        weights = probe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
+        weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
         for tokens in args.tokens:
             t0 = time.perf_counter()
-            for row in measure(probe, real_lora, guard, model_capture_mode, name, shape, tokens, weights,
+            for row in measure(tiny_moe, real_lora, guard, model_capture_mode, name, shape, tokens, weights,
                                args.hooks):
                 rows.append(row)
                 print(json.dumps(row) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)

@@ -26,26 +26,26 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     args = parser.parse_args(argv)
-    probe = load_sglang()
+    tiny_moe = load_sglang()
     from sglang_lora_tma_guard import fallback
 
-    probe.fused_moe_module()
-    probe.ensure_server_args()
+    tiny_moe.fused_moe_module()
+    tiny_moe.ensure_server_args()
     shape = SHAPES["glm51-fp8-tp8"]
-    weights = probe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
+    weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
     for tokens in args.tokens:
         config, down_config, _ = lookup_configs(shape, tokens)
-        problem = probe.make_problem(num_tokens=tokens, topk=shape["topk"], rank=16, seed=tokens,
+        problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], rank=16, seed=tokens,
                                      device="cuda", dtype=torch.bfloat16, weights=weights,
                                      config=config, down_config=down_config)
-        hooks = probe.lora_hooks(problem)
-        g, _ = capture(lambda: probe.run_sequence(problem, use_tma=False, hooks=hooks))
+        hooks = tiny_moe.lora_hooks(problem)
+        g, _ = capture(lambda: tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks))
         sglang_ms = replay_ms(g)
         del g
 
         def time_with(up=None, down=None):
             over = {"config": {**config, **(up or {})}, "down_config": {**down_config, **(down or {})}}
-            graph, _ = capture(lambda: fallback.fused_moe_hooked(probe.call_arguments(problem, hooks, **over)))
+            graph, _ = capture(lambda: fallback.fused_moe_hooked(tiny_moe.call_arguments(problem, hooks, **over)))
             ms = replay_ms(graph)
             del graph
             return ms

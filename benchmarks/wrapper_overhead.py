@@ -32,7 +32,7 @@ def real_signature():
         portable_helper_ops()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from sglang_lora_tma_guard.probe import fused_moe_module
+            from sglang_lora_tma_guard.installed import fused_moe_module
 
             return inspect.signature(inspect.unwrap(getattr(fused_moe_module(), TARGET_NAME)))
     except Exception as exc:

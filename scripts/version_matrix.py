@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sglang_lora_tma_guard.probe import WEIGHT_TMA_LAUNCH  # noqa: E402
+from sglang_lora_tma_guard.tiny_moe import WEIGHT_TMA_LAUNCH  # noqa: E402
 
 AFFECTED = ["0.5.11", "0.5.12.post1", "0.5.13.post1", "0.5.14", "0.5.15.post1", "0.5.16"]
 FIXED = ["0.5.17", "0.5.20", "0.5.23"]
@@ -47,7 +47,7 @@ def install(version: str) -> Path:
     return target
 
 
-def probe(version: str) -> dict:
+def probe_release(version: str) -> dict:
     """Strategy, verdict and self-test of one release, from a fresh interpreter."""
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
     env["PYTHONPATH"] = os.pathsep.join([str(install(version)), str(Path(__file__).resolve().parents[1])])
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     for version in args.versions:
         install(version)  # one pip at a time
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        reports = list(pool.map(probe, args.versions))
+        reports = list(pool.map(probe_release, args.versions))
     print(markdown(reports))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(reports, indent=1))

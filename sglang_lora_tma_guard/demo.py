@@ -38,20 +38,20 @@ def main(argv=None) -> int:
     os.environ.pop("SGLANG_LORA_TMA_GUARD", None)
 
     started = time.perf_counter()
-    from . import probe
+    from . import tiny_moe
     from .inspection import sglang_version
 
-    probe.fused_moe_module()
+    tiny_moe.fused_moe_module()
     print(f"SGLang {sglang_version()} imported in {time.perf_counter() - started:.1f} s; device {device}"
           + (" (Triton interpreter)" if device == "cpu" else ""))
     print("Each row: one block-fp8 MoE layer, LoRA hooks after gate-up and after down, TMA requested.\n")
 
     problems = [
-        probe.make_problem(num_tokens=n, num_experts=args.experts, topk=args.topk, seed=n, device=device)
+        tiny_moe.make_problem(num_tokens=n, num_experts=args.experts, topk=args.topk, seed=n, device=device)
         for n in args.tokens
     ]
-    references = [probe.run_sequence(p, use_tma=False, hooks=probe.lora_hooks(p)) for p in problems]
-    unguarded = [probe.run_sequence(p, use_tma=True, hooks=probe.lora_hooks(p)) for p in problems]
+    references = [tiny_moe.run_sequence(p, use_tma=False, hooks=tiny_moe.lora_hooks(p)) for p in problems]
+    unguarded = [tiny_moe.run_sequence(p, use_tma=True, hooks=tiny_moe.lora_hooks(p)) for p in problems]
 
     print("Loading plugins as SGLang does, with SGLANG_LORA_TMA_GUARD=1:")
     os.environ["SGLANG_LORA_TMA_GUARD"] = "1"
@@ -62,14 +62,14 @@ def main(argv=None) -> int:
     load_plugins()
     state = status()
     print(f"  guard installed: {state.installed}, strategy: {state.strategy}\n")
-    guarded = [probe.run_sequence(p, use_tma=True, hooks=probe.lora_hooks(p)) for p in problems]
+    guarded = [tiny_moe.run_sequence(p, use_tma=True, hooks=tiny_moe.lora_hooks(p)) for p in problems]
 
     header = f"{'tokens':>6}  {'routes':>6}  {'without the guard':<44}  {'with the guard'}"
     print(header)
     print("-" * len(header))
     ok = state.installed
     for problem, ref, bad, good in zip(problems, references, unguarded, guarded):
-        before, after = probe.compare(bad, ref), probe.compare(good, ref)
+        before, after = tiny_moe.compare(bad, ref), tiny_moe.compare(good, ref)
         tokens = problem.hidden_states.shape[0]
         print(f"{tokens:>6}  {problem.topk_ids.numel():>6}  {before.rows_wrong:>3}/{before.rows:<3} rows wrong, "
               f"max rel err {before.max_rel_err:<8.3g}   {'bit-identical' if after.identical else after}")

@@ -129,7 +129,7 @@ def tma_buckets(shape: MoEShape, device_name: str | None = None) -> dict:
     from sglang.kernels.ops.moe.fused_moe_triton_kernels import support_tensor_descriptor
     from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe_triton_config as lookup
 
-    from .probe import ensure_server_args
+    from .installed import ensure_server_args
 
     ensure_server_args()
     block_n, block_k = shape.block_shape or (0, 0)

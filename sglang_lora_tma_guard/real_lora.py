@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .probe import MoEProblem, ensure_server_args, sequence_kwargs
+from .installed import ensure_server_args
+from .tiny_moe import MoEProblem, sequence_kwargs
 
 _cpu_library = None  # kept alive: registrations live as long as their Library object
 

@@ -34,7 +34,7 @@ def run(device: str) -> dict:
     """The self-test; the guard is left as it was found."""
     import torch
 
-    from . import guard, probe
+    from . import guard, tiny_moe
 
     started = time.perf_counter()
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 is off
@@ -42,18 +42,18 @@ def run(device: str) -> dict:
     cases = []
     try:
         for tokens in TOKENS:
-            problem = probe.make_problem(num_tokens=tokens, num_experts=4, topk=2, seed=tokens,
+            problem = tiny_moe.make_problem(num_tokens=tokens, num_experts=4, topk=2, seed=tokens,
                                          device=device, dtype=dtype)
-            hooks = probe.lora_hooks(problem)
+            hooks = tiny_moe.lora_hooks(problem)
             guard.deactivate()
-            reference = probe.run_sequence(problem, use_tma=False, hooks=hooks)
-            unguarded = probe.run_sequence(problem, use_tma=True, hooks=hooks)
-            hookless_off = probe.run_sequence(problem, use_tma=True, hooks=None)
+            reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks)
+            unguarded = tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks)
+            hookless_off = tiny_moe.run_sequence(problem, use_tma=True, hooks=None)
             installed = guard.activate().installed
-            with probe.launch_recorder() as launches:
-                guarded = probe.run_sequence(problem, use_tma=True, hooks=hooks)
-            hookless_on = probe.run_sequence(problem, use_tma=True, hooks=None)
-            without, with_ = probe.compare(unguarded, reference), probe.compare(guarded, reference)
+            with tiny_moe.launch_recorder() as launches:
+                guarded = tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks)
+            hookless_on = tiny_moe.run_sequence(problem, use_tma=True, hooks=None)
+            without, with_ = tiny_moe.compare(unguarded, reference), tiny_moe.compare(guarded, reference)
             cases.append({
                 "tokens": tokens,
                 "rows_wrong_without_guard": without.rows_wrong,
@@ -78,7 +78,7 @@ def run(device: str) -> dict:
         else not exposed  # nothing installed: SGLang has to get it right by itself
     )
     if strategy == "weight_tma":  # the speed-up must really be taken, and A must stay route-major
-        passed = passed and all(c["guarded_launches"] == [probe.WEIGHT_TMA_LAUNCH] * 2 for c in cases)
+        passed = passed and all(c["guarded_launches"] == [tiny_moe.WEIGHT_TMA_LAUNCH] * 2 for c in cases)
     return {
         "device": device,
         "strategy": strategy,
@@ -90,7 +90,7 @@ def run(device: str) -> dict:
 
 
 def render(result: dict) -> list[str]:
-    from .probe import WEIGHT_TMA_LAUNCH
+    from .tiny_moe import WEIGHT_TMA_LAUNCH
 
     lines = [f"Self-test ({result['device']}{', Triton interpreter' if result['device'] == 'cpu' else ''}, "
              f"{result['seconds']} s): block-fp8 MoE, 4 experts, top-2, LoRA hooks, TMA requested"]

@@ -7,11 +7,11 @@ def scheduler_like(queue, name: str = "") -> None:
     sglang.srt.plugins.load_plugins()
 
     import sglang_lora_tma_guard as guard
-    from sglang_lora_tma_guard import probe
+    from sglang_lora_tma_guard import tiny_moe
 
-    problem = probe.make_problem(num_tokens=4, seed=4)
-    hooks = probe.lora_hooks(problem)
-    reference = probe.run_sequence(problem, use_tma=False, hooks=hooks)
-    result = probe.compare(probe.run_sequence(problem, use_tma=True, hooks=hooks), reference)
+    problem = tiny_moe.make_problem(num_tokens=4, seed=4)
+    hooks = tiny_moe.lora_hooks(problem)
+    reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks)
+    result = tiny_moe.compare(tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks), reference)
     queue.put({"name": name, "installed": guard.status().installed, "identical": result.identical,
                "rows_wrong": result.rows_wrong})

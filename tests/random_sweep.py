@@ -27,7 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 import sglang_lora_tma_guard as guard  # noqa: E402
-from sglang_lora_tma_guard import probe  # noqa: E402
+from sglang_lora_tma_guard import tiny_moe  # noqa: E402
 
 SEED = 20261130
 HOOKS = ("gate_up", "down", "both", "neither")
@@ -48,10 +48,10 @@ def random_case(rng: random.Random, index: int) -> dict:
     }
 
 
-def build(case: dict) -> probe.MoEProblem:
-    problem = probe.make_problem(
+def build(case: dict) -> tiny_moe.MoEProblem:
+    problem = tiny_moe.make_problem(
         num_tokens=case["tokens"], num_experts=case["experts"], hidden=128, intermediate=128,
-        topk=case["topk"], seed=case["seed"], config=probe.small_config(case["block_m"]),
+        topk=case["topk"], seed=case["seed"], config=tiny_moe.small_config(case["block_m"]),
     )
     gen = torch.Generator().manual_seed(case["seed"])
     scores = torch.randn(case["tokens"], case["experts"], generator=gen)
@@ -64,7 +64,7 @@ def build(case: dict) -> probe.MoEProblem:
     return problem
 
 
-def layout_differs(problem: probe.MoEProblem) -> bool:
+def layout_differs(problem: tiny_moe.MoEProblem) -> bool:
     """Whether the expert-sorted TMA layout puts any route elsewhere than route-major order does."""
     routes = problem.topk_ids.numel()
     sorted_ids = problem.alignment[0][:routes]
@@ -74,8 +74,8 @@ def layout_differs(problem: probe.MoEProblem) -> bool:
 def hooks_for(problem, kind):
     if kind == "neither":
         # Both shapes of "no hooks" SGLang produces: None, and LoRAHooks() with nothing set.
-        return None if problem.hidden_states.shape[0] % 2 else probe.lora_hooks(problem, False, False)
-    return probe.lora_hooks(problem, gate_up=kind in ("gate_up", "both"), down=kind in ("down", "both"))
+        return None if problem.hidden_states.shape[0] % 2 else tiny_moe.lora_hooks(problem, False, False)
+    return tiny_moe.lora_hooks(problem, gate_up=kind in ("gate_up", "both"), down=kind in ("down", "both"))
 
 
 def record_arrivals(fm, arrivals: list) -> None:
@@ -91,12 +91,12 @@ def record_arrivals(fm, arrivals: list) -> None:
 
 
 def run_cases(indices) -> dict:
-    with probe.launch_recorder() as launches:
+    with tiny_moe.launch_recorder() as launches:
         return _run_cases(indices, launches)
 
 
 def _run_cases(indices, launches: list) -> dict:
-    fm = probe.fused_moe_module()
+    fm = tiny_moe.fused_moe_module()
     sglang_function = fm._fused_moe_kernel_sequence
     arrivals = []
     record_arrivals(fm, arrivals)
@@ -110,7 +110,7 @@ def _run_cases(indices, launches: list) -> dict:
         hooks = hooks_for(problem, case["hooks"])
 
         def run(use_tma):
-            return probe.run_sequence(problem, use_tma=use_tma, hooks=hooks, filter_expert=case["filtered"])
+            return tiny_moe.run_sequence(problem, use_tma=use_tma, hooks=hooks, filter_expert=case["filtered"])
 
         guard.deactivate()
         # Hook-less cases run behind the arrivals recorder. Hooked ones do not: under another
@@ -138,13 +138,13 @@ def _run_cases(indices, launches: list) -> dict:
             else:
                 counts["hook-less, SGLang nondeterministic"] += 1
             continue
-        if launches != [probe.WEIGHT_TMA_LAUNCH] * 2:
+        if launches != [tiny_moe.WEIGHT_TMA_LAUNCH] * 2:
             mismatches.append(["hooked call did not take weight TMA", case, launches])
         counts["weight tma"] += 1
         guard.deactivate()
         reference = run(False)
         if not torch.equal(guarded, reference):
-            mismatches.append(["guarded differs from non-TMA", case, str(probe.compare(guarded, reference))])
+            mismatches.append(["guarded differs from non-TMA", case, str(tiny_moe.compare(guarded, reference))])
         differs, wrong = layout_differs(problem), not torch.equal(unguarded, reference)
         counts["layout differs"] += differs
         counts["unguarded wrong"] += wrong

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from reference import interpreter_fp8, reference_moe
-from sglang_lora_tma_guard import fallback, probe
+from sglang_lora_tma_guard import fallback, tiny_moe
 
 pytestmark = pytest.mark.real
 
 
-rel_err = probe.rel_err
-call_args = probe.call_arguments
+rel_err = tiny_moe.rel_err
+call_args = tiny_moe.call_arguments
 
 
 def with_dtype(problem, dtype):
@@ -64,7 +64,7 @@ CASES = {
                                 over=dict(apply_router_weight_on_input=True)),
     "scaling-factor": dict(make=dict(num_tokens=9, num_experts=4, topk=3), over=dict(routed_scaling_factor=2.5)),
     "gelu": dict(make=dict(num_tokens=9, num_experts=4, topk=2), over=dict(activation="gelu")),
-    "block-m-32": dict(make=dict(num_tokens=40, num_experts=4, topk=2, config=probe.small_config(32))),
+    "block-m-32": dict(make=dict(num_tokens=40, num_experts=4, topk=2, config=tiny_moe.small_config(32))),
     "fp16-weights": dict(make=dict(num_tokens=11, num_experts=6, topk=2), dtype=torch.float16),
     "fp16-bias": dict(make=dict(num_tokens=11, num_experts=6, topk=2), dtype=torch.float16, bias=True),
     "fp8-bias": dict(make=dict(num_tokens=11, num_experts=6, topk=2), bias=True),
@@ -74,7 +74,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fallback_matches_the_pytorch_reference(fm, name):
     case = CASES[name]
-    problem = probe.make_problem(hidden=128, intermediate=128, seed=len(name), **case["make"])
+    problem = tiny_moe.make_problem(hidden=128, intermediate=128, seed=len(name), **case["make"])
     if "experts_used" in case or "filtered" in case:
         route(problem, case.get("experts_used"), case.get("filtered", 0.0), seed=len(name))
     over = dict(case.get("over", {}))
@@ -85,7 +85,7 @@ def test_fallback_matches_the_pytorch_reference(fm, name):
         dtype = problem.hidden_states.dtype
         over["b1"] = (torch.randn(problem.num_experts, problem.w1.shape[1], generator=gen) * 0.1).to(dtype)
         over["b2"] = (torch.randn(problem.num_experts, problem.w2.shape[1], generator=gen) * 0.1).to(dtype)
-    hooks = probe.lora_hooks(problem)
+    hooks = tiny_moe.lora_hooks(problem)
     ours = fallback.fused_moe_hooked(call_args(problem, hooks, **over))
     reference = reference_moe(call_args(problem, hooks, **over), to_fp8=interpreter_fp8)
     assert ours.shape == reference.shape
@@ -94,8 +94,8 @@ def test_fallback_matches_the_pytorch_reference(fm, name):
 
 
 def test_inplace_writes_into_hidden_states_and_no_combine_keeps_routes(fm):
-    problem = probe.make_problem(num_tokens=5, hidden=128, intermediate=128, seed=3)
-    hooks = probe.lora_hooks(problem)
+    problem = tiny_moe.make_problem(num_tokens=5, hidden=128, intermediate=128, seed=3)
+    hooks = tiny_moe.lora_hooks(problem)
     args = call_args(problem, hooks)
     out = fallback.fused_moe_hooked(args)
     assert out is args["hidden_states"]
@@ -105,9 +105,9 @@ def test_inplace_writes_into_hidden_states_and_no_combine_keeps_routes(fm):
 
 @pytest.mark.parametrize("tokens", [1, 5, 24])
 def test_fallback_agrees_with_sglangs_non_tma_path_within_2_percent(fm, tokens):
-    problem = probe.make_problem(num_tokens=tokens, seed=tokens)
-    hooks = probe.lora_hooks(problem)
-    reference = probe.run_sequence(problem, use_tma=False, hooks=hooks)  # SGLang 0.5.16 itself
+    problem = tiny_moe.make_problem(num_tokens=tokens, seed=tokens)
+    hooks = tiny_moe.lora_hooks(problem)
+    reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks)  # SGLang 0.5.16 itself
     ours = fallback.fused_moe_hooked(call_args(problem, hooks))
     assert rel_err(ours, reference) < 0.02
 
@@ -120,18 +120,18 @@ def test_fallback_agrees_with_sglangs_non_tma_path_within_2_percent(fm, tokens):
     (dict(a1_scale=torch.ones(1)), "a1_scale is set"),
 ])
 def test_uncovered_calls_are_refused_loudly(fm, overrides, phrase):
-    problem = probe.make_problem(num_tokens=3, hidden=128, intermediate=128)
+    problem = tiny_moe.make_problem(num_tokens=3, hidden=128, intermediate=128)
     with pytest.raises(fallback.FallbackUnsupported) as caught:
-        fallback.fused_moe_hooked(call_args(problem, probe.lora_hooks(problem), **overrides))
+        fallback.fused_moe_hooked(call_args(problem, tiny_moe.lora_hooks(problem), **overrides))
     message = str(caught.value)
     assert phrase in message and "Covered:" in message and "0.5.17" in message
 
 
 def test_float32_activations_are_refused(fm):
-    problem = probe.make_problem(num_tokens=3, hidden=128, intermediate=128)
+    problem = tiny_moe.make_problem(num_tokens=3, hidden=128, intermediate=128)
     problem.hidden_states = problem.hidden_states.float()
     with pytest.raises(fallback.FallbackUnsupported, match="activations in torch.float32"):
-        fallback.fused_moe_hooked(call_args(problem, probe.lora_hooks(problem)))
+        fallback.fused_moe_hooked(call_args(problem, tiny_moe.lora_hooks(problem)))
 
 
 # Through the plugin, on a copy of SGLang 0.5.16 whose flag was renamed, as a fork might.
@@ -139,12 +139,12 @@ def test_float32_activations_are_refused(fm):
 RENAMED_RUN = """
 import os, sys, torch
 import sglang.srt.plugins as plugins
-from sglang_lora_tma_guard import probe, status
+from sglang_lora_tma_guard import tiny_moe, status
 from sglang_lora_tma_guard.inspection import sglang_version
 if os.environ.get("LOAD_PLUGINS") == "1":
     plugins.load_plugins()
-problem = probe.make_problem(num_tokens=int(sys.argv[1]), seed=int(sys.argv[1]))
-out = probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
+problem = tiny_moe.make_problem(num_tokens=int(sys.argv[1]), seed=int(sys.argv[1]))
+out = tiny_moe.run_sequence(problem, use_tma=True, hooks=tiny_moe.lora_hooks(problem))
 torch.save({"out": out, "status": status().as_dict(), "version": sglang_version()}, sys.argv[2])
 """
 
@@ -184,12 +184,12 @@ def run_renamed(root, tokens, load_plugins, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("tokens", [3, 17])
 def test_renamed_flag_is_guarded_by_the_fallback_through_load_plugins(fm, renamed_sglang, tmp_path, tokens):
-    problem = probe.make_problem(num_tokens=tokens, seed=tokens)
-    reference = probe.run_sequence(problem, use_tma=False, hooks=probe.lora_hooks(problem))  # unmodified
+    problem = tiny_moe.make_problem(num_tokens=tokens, seed=tokens)
+    reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=tiny_moe.lora_hooks(problem))  # unmodified
     guarded = run_renamed(renamed_sglang, tokens, True, tmp_path)
     assert guarded["version"] == "0.5.16.dev0+renamed"
     assert guarded["status"]["strategy"] == "fallback" and guarded["status"]["installed"]
     assert rel_err(guarded["out"], reference) < 0.02
     unguarded = run_renamed(renamed_sglang, tokens, False, tmp_path)
     assert not unguarded["status"]["installed"]
-    assert probe.compare(unguarded["out"], reference).rows_wrong == tokens
+    assert tiny_moe.compare(unguarded["out"], reference).rows_wrong == tokens

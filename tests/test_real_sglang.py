@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sglang_lora_tma_guard as guard
-from sglang_lora_tma_guard import probe
+from sglang_lora_tma_guard import tiny_moe
 from sglang_lora_tma_guard.inspection import TARGET_NAME
 
 pytestmark = pytest.mark.real
@@ -20,14 +20,14 @@ SIZES = [1, 5, 24]
 
 @pytest.fixture(scope="module")
 def problems():
-    return {n: probe.make_problem(num_tokens=n, seed=n) for n in SIZES}
+    return {n: tiny_moe.make_problem(num_tokens=n, seed=n) for n in SIZES}
 
 
 @pytest.fixture(scope="module")
 def references(fm, problems):
     """SGLang's non-TMA hooked output: what a correct hooked call returns."""
     return {
-        n: probe.run_sequence(p, use_tma=False, hooks=probe.lora_hooks(p)) for n, p in problems.items()
+        n: tiny_moe.run_sequence(p, use_tma=False, hooks=tiny_moe.lora_hooks(p)) for n, p in problems.items()
     }
 
 
@@ -35,8 +35,8 @@ def references(fm, problems):
 def test_unguarded_hooked_tma_call_corrupts_every_row(fm, problems, references, tokens):
     problem = problems[tokens]
     assert not guard.status().installed
-    output = probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
-    result = probe.compare(output, references[tokens])
+    output = tiny_moe.run_sequence(problem, use_tma=True, hooks=tiny_moe.lora_hooks(problem))
+    result = tiny_moe.compare(output, references[tokens])
     assert result.rows_wrong == tokens, result
 
 
@@ -45,49 +45,49 @@ def test_hooked_call_is_bit_identical_to_non_tma_path(sglang_plugins, problems, 
     state = sglang_plugins()
     assert state.installed and state.strategy == "weight_tma"
     problem = problems[tokens]
-    output = probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
-    assert torch.equal(output, references[tokens]), probe.compare(output, references[tokens])
+    output = tiny_moe.run_sequence(problem, use_tma=True, hooks=tiny_moe.lora_hooks(problem))
+    assert torch.equal(output, references[tokens]), tiny_moe.compare(output, references[tokens])
 
 
 @pytest.mark.parametrize("gate_up, down", [(True, False), (False, True)], ids=["gate-up-only", "down-only"])
 def test_a_single_hook_is_enough_to_turn_tma_off(sglang_plugins, problems, gate_up, down):
     problem = problems[5]
-    hooks = probe.lora_hooks(problem, gate_up=gate_up, down=down)
-    reference = probe.run_sequence(problem, use_tma=False, hooks=hooks)
-    unguarded = probe.run_sequence(problem, use_tma=True, hooks=hooks)
-    assert probe.compare(unguarded, reference).rows_wrong > 0
+    hooks = tiny_moe.lora_hooks(problem, gate_up=gate_up, down=down)
+    reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks)
+    unguarded = tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks)
+    assert tiny_moe.compare(unguarded, reference).rows_wrong > 0
     sglang_plugins()
-    assert torch.equal(probe.run_sequence(problem, use_tma=True, hooks=hooks), reference)
+    assert torch.equal(tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks), reference)
 
 
 def test_hookless_call_still_reaches_the_kernel_with_tma_on(sglang_plugins, problems, launches):
     problem = problems[24]
-    unguarded = probe.run_sequence(problem, use_tma=True, hooks=None)
+    unguarded = tiny_moe.run_sequence(problem, use_tma=True, hooks=None)
     sglang_plugins()
     launches.clear()
-    guarded = probe.run_sequence(problem, use_tma=True, hooks=None)
+    guarded = tiny_moe.run_sequence(problem, use_tma=True, hooks=None)
     gate_up, down = launches
     assert gate_up["c_sorted"] is True
     assert down["a_use_tma"] is True and down["b_use_tma"] is True
     assert torch.equal(guarded, unguarded)
     # SGLang's two paths agree without hooks: TMA was never the problem by itself.
-    assert torch.equal(guarded, probe.run_sequence(problem, use_tma=False, hooks=None))
+    assert torch.equal(guarded, tiny_moe.run_sequence(problem, use_tma=False, hooks=None))
 
 
-WEIGHT_TMA, NO_TMA = probe.WEIGHT_TMA_LAUNCH, probe.NO_TMA_LAUNCH
+WEIGHT_TMA, NO_TMA = tiny_moe.WEIGHT_TMA_LAUNCH, tiny_moe.NO_TMA_LAUNCH
 
 
 def test_hooked_call_keeps_tma_for_the_weights_only(sglang_plugins, problems, launches):
     sglang_plugins()
     problem = problems[5]
-    probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
+    tiny_moe.run_sequence(problem, use_tma=True, hooks=tiny_moe.lora_hooks(problem))
     assert launches == [WEIGHT_TMA, WEIGHT_TMA]  # gate-up, down: activations route-major
 
 
 def test_hooked_call_without_tma_requested_is_left_without_it(sglang_plugins, problems, launches, references):
     sglang_plugins()
     problem = problems[5]
-    output = probe.run_sequence(problem, use_tma=False, hooks=probe.lora_hooks(problem))
+    output = tiny_moe.run_sequence(problem, use_tma=False, hooks=tiny_moe.lora_hooks(problem))
     assert launches == [NO_TMA, NO_TMA] and torch.equal(output, references[5])
 
 
@@ -95,7 +95,7 @@ def test_plain_switch_keeps_the_plain_fix(sglang_plugins, problems, launches, re
     state = sglang_plugins("plain")
     assert state.installed and state.strategy == "flag"
     problem = problems[5]
-    output = probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
+    output = tiny_moe.run_sequence(problem, use_tma=True, hooks=tiny_moe.lora_hooks(problem))
     assert launches == [NO_TMA, NO_TMA] and torch.equal(output, references[5])
 
 
@@ -115,8 +115,8 @@ def test_deactivate_brings_back_the_original_and_with_it_the_bug(sglang_plugins,
     guard.deactivate()
     assert getattr(fm, TARGET_NAME) is original
     problem = problems[5]
-    output = probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
-    assert probe.compare(output, references[5]).rows_wrong == 5
+    output = tiny_moe.run_sequence(problem, use_tma=True, hooks=tiny_moe.lora_hooks(problem))
+    assert tiny_moe.compare(output, references[5]).rows_wrong == 5
 
 
 def test_guard_holds_in_a_caller_compiled_by_torch_compile(sglang_plugins, fm, problems, references, monkeypatch):
@@ -127,12 +127,12 @@ def test_guard_holds_in_a_caller_compiled_by_torch_compile(sglang_plugins, fm, p
     problem = problems[5]
     torch._dynamo.reset()
     compiled = torch.compile(
-        lambda hooks: probe.run_sequence(problem, use_tma=True, hooks=hooks), backend="eager"
+        lambda hooks: tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks), backend="eager"
     )
-    assert torch.equal(compiled(probe.lora_hooks(problem)), references[5])
+    assert torch.equal(compiled(tiny_moe.lora_hooks(problem)), references[5])
     guard.deactivate()
     torch._dynamo.reset()
-    assert probe.compare(compiled(probe.lora_hooks(problem)), references[5]).rows_wrong == 5
+    assert tiny_moe.compare(compiled(tiny_moe.lora_hooks(problem)), references[5]).rows_wrong == 5
 
 
 # Failures pass through unchanged: the caller sees SGLang's own behaviour and exception.
@@ -162,14 +162,14 @@ def test_an_exception_from_a_hook_reaches_the_caller_unchanged(sglang_plugins, p
 
     sglang_plugins()
     with pytest.raises(RuntimeError) as caught:
-        probe.run_sequence(problems[5], use_tma=True, hooks=LoRAHooks(after_down=broken_hook))
+        tiny_moe.run_sequence(problems[5], use_tma=True, hooks=LoRAHooks(after_down=broken_hook))
     assert caught.value is failure
 
 
 def test_sglangs_own_errors_are_the_same_with_and_without_the_guard(sglang_plugins, problems):
     problem = problems[5]
-    hooks = probe.lora_hooks(problem)
-    bad_activation = lambda: probe.run_sequence(problem, use_tma=True, hooks=hooks,  # noqa: E731
+    hooks = tiny_moe.lora_hooks(problem)
+    bad_activation = lambda: tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks,  # noqa: E731
                                                 activation="swish", is_gated=True)
     without, with_guard = both_ways(sglang_plugins, bad_activation)
     assert without[0] == "raised" and without == with_guard
@@ -179,9 +179,9 @@ def test_hooks_of_another_shape_meet_the_same_error_with_and_without_the_guard(s
     from types import SimpleNamespace
 
     problem = problems[5]
-    odd = SimpleNamespace(after_down=probe.lora_hooks(problem).after_down)  # no after_gate_up
+    odd = SimpleNamespace(after_down=tiny_moe.lora_hooks(problem).after_down)  # no after_gate_up
     without, with_guard = both_ways(
-        sglang_plugins, lambda: probe.run_sequence(problem, use_tma=True, hooks=odd))
+        sglang_plugins, lambda: tiny_moe.run_sequence(problem, use_tma=True, hooks=odd))
     assert without[0] == "raised" and without[1] is AttributeError and without == with_guard
 
 
@@ -189,7 +189,7 @@ def test_hooks_with_extra_attributes_are_guarded_like_sglangs_own(sglang_plugins
     from types import SimpleNamespace
 
     problem = problems[5]
-    real = probe.lora_hooks(problem)
+    real = tiny_moe.lora_hooks(problem)
     extra = SimpleNamespace(after_gate_up=real.after_gate_up, after_down=real.after_down, lora_ids=[0, 1])
     sglang_plugins()
-    assert torch.equal(probe.run_sequence(problem, use_tma=True, hooks=extra), references[5])
+    assert torch.equal(tiny_moe.run_sequence(problem, use_tma=True, hooks=extra), references[5])

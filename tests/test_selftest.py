@@ -4,7 +4,7 @@ import functools
 
 import pytest
 
-from sglang_lora_tma_guard import guard, probe, selftest
+from sglang_lora_tma_guard import guard, tiny_moe, selftest
 
 pytestmark = pytest.mark.real
 
@@ -14,7 +14,7 @@ def test_selftest_passes_and_shows_the_exposure(fm):
     assert result["passed"] is True and result["exposed_without_guard"] is True
     assert result["strategy"] == "weight_tma"
     assert all(c["identical_with_guard"] and c["hookless_untouched"] for c in result["cases"])
-    assert all(c["guarded_launches"] == [probe.WEIGHT_TMA_LAUNCH] * 2 for c in result["cases"])
+    assert all(c["guarded_launches"] == [tiny_moe.WEIGHT_TMA_LAUNCH] * 2 for c in result["cases"])
     assert not guard.status().active  # left as it was found
 
 

@@ -15,15 +15,15 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
-from sglang_lora_tma_guard import probe, real_lora
+from sglang_lora_tma_guard import tiny_moe, real_lora
 
 pytestmark = pytest.mark.real
 
-WEIGHT_TMA, NO_TMA, FULL_TMA = probe.WEIGHT_TMA_LAUNCH, probe.NO_TMA_LAUNCH, probe.FULL_TMA_LAUNCHES
+WEIGHT_TMA, NO_TMA, FULL_TMA = tiny_moe.WEIGHT_TMA_LAUNCH, tiny_moe.NO_TMA_LAUNCH, tiny_moe.FULL_TMA_LAUNCHES
 
 
 def small_problem(tokens=7, experts=8, topk=2, seed=0):
-    return probe.make_problem(num_tokens=tokens, num_experts=experts, topk=topk, hidden=128,
+    return tiny_moe.make_problem(num_tokens=tokens, num_experts=experts, topk=topk, hidden=128,
                               intermediate=128, seed=seed)
 
 
@@ -45,11 +45,11 @@ def expected(problem, hooks):
     """The plain PyTorch reference MoE with ``hooks`` (None: no adapter at all)."""
     from types import SimpleNamespace
 
-    args = probe.call_arguments(problem, hooks or SimpleNamespace(after_gate_up=None, after_down=None))
+    args = tiny_moe.call_arguments(problem, hooks or SimpleNamespace(after_gate_up=None, after_down=None))
     return reference_moe(args, to_fp8=interpreter_fp8)
 
 
-rel_err = probe.rel_err
+rel_err = tiny_moe.rel_err
 
 
 @pytest.mark.parametrize("topk", [2, 1], ids=["top-2", "top-1"])
@@ -66,7 +66,7 @@ def test_sglangs_lora_hooks_add_the_adapters_deltas(lora_ops, topk):
 def test_unguarded_sglang_lora_on_the_tma_path_is_wrong(case):
     problem, info, reference = case
     output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
-    result = probe.compare(output, reference)
+    result = tiny_moe.compare(output, reference)
     # Rows of the enabled adapters' tokens (the first segments) are wrong at least.
     assert result.rows_wrong >= 4, result
 
@@ -78,7 +78,7 @@ def test_guarded_sglang_lora_is_bit_identical_to_the_non_tma_path(case, sglang_p
     problem, info, reference = case
     assert sglang_plugins(switch).strategy == strategy
     output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
-    assert torch.equal(output, reference), probe.compare(output, reference)
+    assert torch.equal(output, reference), tiny_moe.compare(output, reference)
     assert launches == [each_launch] * 2
 
 
@@ -116,7 +116,7 @@ def test_fused_shared_expert_routes_read_lora_weights_out_of_range(lora_ops):
     info = real_lora.make_lora_info(problem, adapters, seed=5)
     output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=False)
     correct = expected(problem, ReferenceLoRAHooks(info))  # no adapter delta on the shared expert
-    assert probe.compare(output, correct).rows_wrong == 7, probe.compare(output, correct)
+    assert tiny_moe.compare(output, correct).rows_wrong == 7, tiny_moe.compare(output, correct)
     # With one zero expert appended to each buffer, SGLang computes the same as the reference.
     pad = {name: torch.cat([w, torch.zeros_like(w[:, :1])], dim=1) for name, w in (
         ("gate_up_lora_a_weights", info.gate_up_lora_a_weights), ("gate_up_lora_b_weights", info.gate_up_lora_b_weights),

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import version_matrix  # noqa: E402
-from sglang_lora_tma_guard.probe import WEIGHT_TMA_LAUNCH  # noqa: E402
+from sglang_lora_tma_guard.tiny_moe import WEIGHT_TMA_LAUNCH  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 @pytest.mark.parametrize("version", version_matrix.AFFECTED)
 def test_affected_release_is_wrong_unguarded_and_bit_identical_guarded(version):
-    report = version_matrix.probe(version)
+    report = version_matrix.probe_release(version)
     assert "error" not in report, report.get("error")
     assert report["environment"]["sglang"] == version
     assert report["target"]["strategy"] == "weight_tma" and not report["target"]["native_guard"]
@@ -31,7 +31,7 @@ def test_affected_release_is_wrong_unguarded_and_bit_identical_guarded(version):
 
 @pytest.mark.parametrize("version", version_matrix.FIXED)
 def test_fixed_release_is_recognised_and_sped_up(version):
-    report = version_matrix.probe(version)
+    report = version_matrix.probe_release(version)
     assert "error" not in report, report.get("error")
     assert report["target"]["strategy"] == "weight_tma" and report["target"]["native_guard"]
     assert report["verdict"]["status"] == "not-affected" and report["exit_code"] == 0

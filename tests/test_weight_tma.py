@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import sglang_lora_tma_guard as guard
-from sglang_lora_tma_guard import probe, weight_tma
+from sglang_lora_tma_guard import tiny_moe, weight_tma
 from sglang_lora_tma_guard.inspection import TARGET_NAME, Strategy, inspect_target
 
-WEIGHT_TMA = probe.WEIGHT_TMA_LAUNCH
+WEIGHT_TMA = tiny_moe.WEIGHT_TMA_LAUNCH
 
 LAUNCHER = '''
 def invoke_fused_moe_kernel(A, B, C, *, a_use_tma=False, b_use_tma=False, c_sorted=False):
@@ -121,7 +121,7 @@ def test_hooked_and_hookless_calls_on_many_threads_each_get_their_own_path(tmp_p
         thread.start()
     for thread in threads:
         thread.join()
-    full_tma = probe.FULL_TMA_LAUNCHES
+    full_tma = tiny_moe.FULL_TMA_LAUNCHES
     for name, launch in module.LAUNCHES:
         assert launch in ([WEIGHT_TMA] if name.startswith("hooked") else full_tma)
     assert len(module.LAUNCHES) == 8 * 200 * 2
@@ -149,28 +149,28 @@ def guarded(fm):
     [(1, 4, 1, False), (7, 8, 3, False), (20, 6, 2, True), (33, 16, 4, False)],
 )
 def test_weight_tma_is_bit_identical_to_the_non_tma_path(fm, launches, tokens, experts, topk, filtered):
-    problem = probe.make_problem(num_tokens=tokens, num_experts=experts, topk=topk, seed=tokens)
+    problem = tiny_moe.make_problem(num_tokens=tokens, num_experts=experts, topk=topk, seed=tokens)
     if filtered:
         problem.topk_ids[::3, 0] = -1  # experts this rank does not own, under expert parallelism
         problem.__dict__.pop("alignment", None)
-    hooks = probe.lora_hooks(problem)
-    reference = probe.run_sequence(problem, use_tma=False, hooks=hooks, filter_expert=filtered)
+    hooks = tiny_moe.lora_hooks(problem)
+    reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks, filter_expert=filtered)
     assert guard.activate().strategy == "weight_tma"
     try:
         launches.clear()
-        output = probe.run_sequence(problem, use_tma=True, hooks=hooks, filter_expert=filtered)
+        output = tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks, filter_expert=filtered)
     finally:
         guard.deactivate()
     assert launches == [WEIGHT_TMA, WEIGHT_TMA]
-    assert torch.equal(output, reference), probe.compare(output, reference)
+    assert torch.equal(output, reference), tiny_moe.compare(output, reference)
 
 
 @pytest.mark.real
 def test_deactivate_leaves_nothing_behind(fm):
     names, original = set(vars(fm)), getattr(fm, TARGET_NAME)
     guard.activate()
-    problem = probe.make_problem(num_tokens=3, seed=3)
-    probe.run_sequence(problem, use_tma=True, hooks=probe.lora_hooks(problem))
+    problem = tiny_moe.make_problem(num_tokens=3, seed=3)
+    tiny_moe.run_sequence(problem, use_tma=True, hooks=tiny_moe.lora_hooks(problem))
     guard.deactivate()
     assert getattr(fm, TARGET_NAME) is original and set(vars(fm)) == names
 
@@ -182,13 +182,13 @@ def test_weight_tma_holds_in_a_caller_compiled_by_torch_compile(fm, monkeypatch,
     # still route the hooked call there.
     build = weight_tma.build
     monkeypatch.setattr(weight_tma, "build", lambda f: torch._dynamo.disable(build(f)))
-    problem = probe.make_problem(num_tokens=5, seed=5)
-    hooks = probe.lora_hooks(problem)
-    reference = probe.run_sequence(problem, use_tma=False, hooks=hooks)
+    problem = tiny_moe.make_problem(num_tokens=5, seed=5)
+    hooks = tiny_moe.lora_hooks(problem)
+    reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks)
     assert guard.activate().strategy == "weight_tma"
     try:
         torch._dynamo.reset()
-        compiled = torch.compile(lambda: probe.run_sequence(problem, use_tma=True, hooks=hooks),
+        compiled = torch.compile(lambda: tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks),
                                  backend="eager")
         launches.clear()
         output = compiled()

@@ -1,4 +1,4 @@
-"""A tiny block-fp8 MoE run through the installed SGLang's own ``_fused_moe_kernel_sequence``.
+"""A tiny block-fp8 MoE layer, run through the installed SGLang's own ``_fused_moe_kernel_sequence``.
 
 Used by the demo, the tests and the benchmarks to show the bug and the fix on SGLang's real
 kernels: on a GPU natively, on a CPU through Triton's interpreter (``TRITON_INTERPRET=1`` must be
@@ -10,58 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import inspect
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
-from .inspection import TARGET_MODULE, TARGET_NAME
+from .installed import ensure_server_args, fused_moe_module
+from .inspection import TARGET_NAME
 
 FP8_BLOCK = (128, 128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def fused_moe_module():
-    return importlib.import_module(TARGET_MODULE)
-
-
-def ensure_server_args() -> None:
-    """Give SGLang the server settings the sequence reads, outside a server process only.
-
-    0.5.11-0.5.15 read them through ``server_args.get_global_server_args()``, 0.5.16 through
-    ``runtime_context.get_server_args()``, 0.5.17 on through resolved namespaces
-    (``get_exec().moe``), published by a server; outside one, the fused-MoE module is given a
-    stand-in that answers the one setting the sequence reads there.
-    """
-    settings = SimpleNamespace(enable_fused_moe_sum_all_reduce=False, enable_deterministic_inference=False)
-    module = fused_moe_module()
-    get_exec = getattr(module, "get_exec", None)
-    if get_exec is not None:
-        try:
-            get_exec().moe
-        except Exception:  # not published: no server in this process
-            module.get_exec = lambda: SimpleNamespace(moe=settings)
-        return
-    try:
-        from sglang.srt import runtime_context
-    except ImportError:
-        runtime_context = None
-    if getattr(runtime_context, "get_server_args", None) is not None:
-        try:
-            runtime_context.get_server_args()
-        except ValueError:
-            runtime_context._CONTEXT.set_server_args(settings)
-    from sglang.srt import server_args
-
-    setter = getattr(server_args, "set_global_server_args_for_scheduler", None)
-    getter = getattr(server_args, "get_global_server_args", None)
-    if setter is not None and getter is not None:
-        try:
-            getter()
-        except ValueError:
-            setter(settings)
 
 
 def quantize_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
