@@ -39,6 +39,9 @@ import triton.language as tl
 FP8_MAX = 448.0
 QUANT_EPS = 1e-10
 
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu2": lambda x: torch.square(F.relu(x))}
+"""Elementwise activations by SGLang's name (the gated ones apply to the gate half)."""
+
 COVERED = (
     "activations bf16/fp16 with weights of the same dtype, or block-wise fp8 w8a8 weights "
     "(dynamic activation scales); activation silu/gelu gated, or silu/gelu/relu2 un-gated; "
@@ -68,7 +71,7 @@ def _moe_gemm_kernel(
     N, K, num_routes, num_sorted,
     stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_bias_e, stride_bias_n, stride_se, stride_sn, stride_sk,
-    ROUTES_PER_A_ROW: tl.constexpr, GROUP_N: tl.constexpr,
+    ROUTES_PER_A_ROW: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
 ):
@@ -106,7 +109,7 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
     if FP8:
-        s_ptrs = b_scale_ptr + expert * stride_se + (offs_n // GROUP_N) * stride_sn
+        s_ptrs = b_scale_ptr + expert * stride_se + (offs_n // SCALE_BLOCK_N) * stride_sn
         as_ptrs = a_scale_ptr + a_rows * stride_asm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
@@ -186,10 +189,12 @@ def _tile(config: dict, block_m: int, fp8_group_k: int | None) -> dict:
 
 def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, expert_ids,
              num_post_padded, routes_per_a_row: int, mul_routed_weight: bool, tile: dict,
-             group_n: int = 1) -> None:
+             scale_block_n: int = 1) -> None:
     """One expert GEMM over SGLang's sorted route list, written route-major into ``out`` (R, N).
 
-    ``a`` is fp8 with per-row, per-K-group ``a_scale`` when ``w_scale`` is given (block fp8).
+    ``a`` is fp8 with per-row, per-K-group ``a_scale`` when ``w_scale`` is given (block fp8); then
+    ``scale_block_n`` is the weights' fp8 scale block along N (``GROUP_M`` in ``tile`` is the L2
+    swizzle of output tiles, unrelated).
     """
     experts, n, k = w.shape
     grid = (triton.cdiv(sorted_ids.shape[0], tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
@@ -202,13 +207,14 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
-        ROUTES_PER_A_ROW=routes_per_a_row, GROUP_N=group_n,
+        ROUTES_PER_A_ROW=routes_per_a_row, SCALE_BLOCK_N=scale_block_n,
         FP8=fp8, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight,
         **tile,
     )
 
 
 def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    assert x.stride(-1) == 1, "the quantize kernel reads each row as one contiguous run"
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
@@ -219,6 +225,7 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 def gated_activation(x: torch.Tensor, activation: str, group: int | None = None):
     """The gated activation; with ``group`` also its fp8 form and scales for the down GEMM."""
+    assert x.stride(-1) == 1, "the activation kernel reads each row's gate and up halves as contiguous runs"
     rows, width = x.shape
     half = width // 2
     out = torch.empty((rows, half), dtype=x.dtype, device=x.device)
@@ -283,7 +290,7 @@ def fused_moe_hooked(args: dict) -> torch.Tensor:
     block_m = config["BLOCK_SIZE_M"]  # the route list is padded to this block size
     weights = topk_weights.contiguous().view(-1)  # a view, unless SGLang passed a strided one
     common = dict(topk_weights=weights, sorted_ids=sorted_ids, expert_ids=expert_ids,
-                  num_post_padded=num_post, group_n=group_n)
+                  num_post_padded=num_post, scale_block_n=group_n)
 
     a1, a1_scale = quantize_per_group(hidden, group_k) if fp8 else (hidden, None)
     gate_up = torch.empty((tokens, topk, n), dtype=hidden.dtype, device=hidden.device)
@@ -297,7 +304,7 @@ def fused_moe_hooked(args: dict) -> torch.Tensor:
     if args["is_gated"]:
         act, a2, a2_scale = gated_activation(flat, args["activation"], group_k if fp8 else None)
     else:
-        act = {"silu": F.silu, "gelu": F.gelu, "relu2": lambda x: torch.square(F.relu(x))}[args["activation"]](flat)
+        act = ACTIVATIONS[args["activation"]](flat)
         a2, a2_scale = quantize_per_group(act, group_k) if fp8 else (act, None)
 
     down = torch.empty((tokens, topk, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)

@@ -77,7 +77,7 @@ def reference_moe(args: dict, to_fp8=None) -> torch.Tensor:
     if hooks.after_gate_up is not None:
         hooks.after_gate_up(hidden, gate_up, topk_weights, topk_ids)
     x = gate_up.view(tokens * topk, -1).float()
-    fn = {"silu": F.silu, "gelu": F.gelu, "relu2": lambda v: torch.square(F.relu(v))}[args["activation"]]
+    fn = fallback.ACTIVATIONS[args["activation"]]
     act = (fn(x[:, : x.shape[1] // 2]) * x[:, x.shape[1] // 2:] if args["is_gated"] else fn(x)).to(hidden.dtype)
     down = expert_gemm(quantize_rows(act), dequantize(w2, args.get("w2_scale")), args.get("b2"), ids)
     if not router_first and not no_combine:
