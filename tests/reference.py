@@ -9,7 +9,6 @@ low-rank delta of that route's expert after gate-up, and after down scaled by th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
