@@ -1,6 +1,7 @@
-"""Run a few lines of Python in a fresh interpreter over a fake SGLang tree and return their result.
+"""Fresh interpreters: a few lines of Python over a fake SGLang tree (:func:`run`), or the check
+command (:func:`run_check`), each returning what came out.
 
-The code sees ``g`` (the package), ``guard``, ``fm()`` (imports the fake fused-MoE module),
+For :func:`run`, the code sees ``g`` (the package), ``guard``, ``fm()`` (imports the fake fused-MoE module),
 ``hooks()`` (a hooks object with ``after_gate_up`` set) and ``log`` (everything logged so far);
 it sets ``result`` to something JSON can hold.
 """
@@ -13,6 +14,10 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import wrapt
+
+REPO = Path(__file__).resolve().parents[1]
 
 PRELUDE = """
 import importlib, io, json, logging, sys, threading
@@ -46,3 +51,20 @@ def run(code: str, tree: Path | None, env: dict | None = None, timeout: float = 
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"scenario failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_check(*args, tree: Path | None = None, env: dict | None = None, no_site: Path | None = None):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
+    full_env.update(env or {})
+    if tree is not None:
+        full_env["PYTHONPATH"] = str(tree)
+    command = [sys.executable, "-m", "sglang_lora_tma_guard.check", *args]
+    if no_site is not None:
+        # A Python that sees this package and wrapt, and no site-packages: no SGLang, no torch.
+        (no_site / "wrapt").symlink_to(Path(wrapt.__file__).parent)
+        (no_site / "sglang_lora_tma_guard").symlink_to(REPO / "sglang_lora_tma_guard")
+        command = [sys.executable, "-S", "-c",
+                   f"import sys; sys.path.insert(0, {str(no_site)!r}); "
+                   "from sglang_lora_tma_guard.check import main; sys.exit(main(sys.argv[1:]))", *args]
+    proc = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr

@@ -3,34 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import wrapt
 
 from fake_sglang import write_tree
+from scenario import run_check
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_check(*args, tree: Path | None = None, env: dict | None = None, no_site: Path | None = None):
-    full_env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
-    full_env.update(env or {})
-    if tree is not None:
-        full_env["PYTHONPATH"] = str(tree)
-    command = [sys.executable, "-m", "sglang_lora_tma_guard.check", *args]
-    if no_site is not None:
-        # A Python that sees this package and wrapt, and no site-packages: no SGLang, no torch.
-        (no_site / "wrapt").symlink_to(Path(wrapt.__file__).parent)
-        (no_site / "sglang_lora_tma_guard").symlink_to(REPO / "sglang_lora_tma_guard")
-        command = [sys.executable, "-S", "-c",
-                   f"import sys; sys.path.insert(0, {str(no_site)!r}); "
-                   "from sglang_lora_tma_guard.check import main; sys.exit(main(sys.argv[1:]))", *args]
-    proc = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 @pytest.mark.real
@@ -42,20 +22,24 @@ class TestOnRealSGLang:
         assert "set SGLANG_LORA_TMA_GUARD=1" in out
         assert "strategy          weight_tma" in out
 
+    @pytest.mark.slow  # a fresh interpreter importing SGLang each
     def test_switch_on_exits_0_protected(self):
         code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "1"})
         assert code == 0 and out.splitlines()[-1].startswith("PROTECTED: SGLang 0.5.16 is affected")
         assert "wrapper installs  yes" in out
 
+    @pytest.mark.slow  # a fresh interpreter importing SGLang each
     def test_plain_switch_reports_the_plain_fix(self):
         code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "plain"})
         assert code == 0 and "strategy          flag" in out and "(on, plain fix)" in out
         assert out.splitlines()[-1].endswith("MoE calls with down_moe_use_tma=False")
 
+    @pytest.mark.slow  # a fresh interpreter importing SGLang each
     def test_allow_list_without_the_plugin_is_not_protected(self):
         code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "1", "SGLANG_PLUGINS": "other"})
         assert code == 1 and "add lora_tma_guard to SGLANG_PLUGINS" in out
 
+    @pytest.mark.slow  # a fresh interpreter importing SGLang each
     def test_json_report_has_a_schema_version_and_the_verdict(self):
         code, out, _ = run_check("--json", env={"SGLANG_LORA_TMA_GUARD": "on"})
         report = json.loads(out)

@@ -75,6 +75,7 @@ def test_offline_engine_plan_uses_real_server_args_fields():
 
 
 @pytest.mark.real
+@pytest.mark.slow  # each runs the check in a fresh interpreter
 class TestPrelaunch:
     script = str(EXAMPLES / "prelaunch_check.sh")
 

@@ -7,7 +7,7 @@ import pytest
 import child
 import scenario
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.slow]  # fresh interpreters importing SGLang
 
 
 def test_scheduler_like_processes_are_guarded_exactly_when_the_switch_is_on(monkeypatch):

@@ -34,8 +34,9 @@ def test_selftest_fails_when_the_wrapper_does_nothing(fm, monkeypatch):
     assert selftest.render(result)[-1].strip() == "FAIL"
 
 
+@pytest.mark.slow  # a fresh interpreter importing SGLang
 def test_check_selftest_command_prints_pass_and_keeps_the_verdict(tmp_path):
-    from test_check import run_check
+    from scenario import run_check
 
     code, out, _ = run_check("--selftest", env={"SGLANG_LORA_TMA_GUARD": "1"})
     assert code == 0 and "  PASS" in out and out.splitlines()[-1].startswith("PROTECTED")
