@@ -18,7 +18,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q -r "$root/requirements/sglang-0.5.16-cpu.txt"
   "$venv/bin/python" -m pip install -q --no-deps "$sglang_pin"
-  "$venv/bin/python" -m pip install -q --no-deps -e "$root"
+  # setuptools' build backend talks on stderr even when all is well (an editable-install banner):
+  # keep it in a log, shown only if the install fails.
+  "$venv/bin/python" -m pip install -q --no-deps -e "$root" 2> "$venv/editable-install.log" \
+    || { cat "$venv/editable-install.log" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
 PY="$venv/bin/python"
