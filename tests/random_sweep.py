@@ -13,6 +13,7 @@ worker I takes cases I, I+N, ...; prints one JSON line with its counts and misma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -78,6 +79,28 @@ def hooks_for(problem, kind):
     return tiny_moe.lora_hooks(problem, gate_up=kind in ("gate_up", "both"), down=kind in ("down", "both"))
 
 
+@contextlib.contextmanager
+def uninitialised_memory_as_nan():
+    """Floating-point ``torch.empty`` buffers come filled with NaN inside the block.
+
+    The TMA path leaves block padding in its buffers uninitialised, and hooks that read the wrong
+    rows read it. Whatever the allocator hands back there may by chance be the right values (a
+    buffer of the previous run at the same address): NaN makes every such read visible, so that the
+    unguarded outcome is decided by the layout alone.
+    """
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        tensor = real(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
 def record_arrivals(fm, arrivals: list) -> None:
     """Put a recorder between the guard and SGLang: what each call really hands SGLang."""
     original = fm._fused_moe_kernel_sequence
@@ -117,7 +140,11 @@ def _run_cases(indices, launches: list) -> dict:
         # wrapper the guard would (rightly) not build its weight-TMA variant, the path to check.
         fm._fused_moe_kernel_sequence = recording if case["hooks"] == "neither" else sglang_function
         launches.clear()
-        unguarded = run(True)
+        if case["hooks"] == "neither":
+            unguarded = run(True)
+        else:
+            with uninitialised_memory_as_nan():
+                unguarded = run(True)
         unguarded_calls = list(launches)
         guard.activate()
         launches.clear()
