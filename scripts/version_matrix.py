@@ -64,6 +64,14 @@ def probe_release(version: str) -> dict:
     return report
 
 
+def probe_all(versions, jobs: int = 2) -> dict:
+    """{version: report}, the wheels installed one pip at a time, then ``jobs`` probes at once."""
+    for version in versions:
+        install(version)
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        return dict(zip(versions, pool.map(probe_release, versions)))
+
+
 def row(report: dict) -> str:
     if "error" in report:
         return f"| {report['version']} | error | | | | | | |"
@@ -97,10 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", dest="json_out")
     args = parser.parse_args(argv)
-    for version in args.versions:
-        install(version)  # one pip at a time
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        reports = list(pool.map(probe_release, args.versions))
+    reports = list(probe_all(args.versions, args.jobs).values())
     print(markdown(reports))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(reports, indent=1))

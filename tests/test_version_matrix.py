@@ -12,10 +12,15 @@ from sglang_lora_tma_guard.tiny_moe import WEIGHT_TMA_LAUNCH  # noqa: E402
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 
+@pytest.fixture(scope="module")
+def reports():
+    """Every release's report, two fresh interpreters at a time (one per core), as the script runs them."""
+    return version_matrix.probe_all(version_matrix.VERSIONS)
+
 
 @pytest.mark.parametrize("version", version_matrix.AFFECTED)
-def test_affected_release_is_wrong_unguarded_and_bit_identical_guarded(version):
-    report = version_matrix.probe_release(version)
+def test_affected_release_is_wrong_unguarded_and_bit_identical_guarded(reports, version):
+    report = reports[version]
     assert "error" not in report, report.get("error")
     assert report["environment"]["sglang"] == version
     assert report["target"]["strategy"] == "weight_tma" and not report["target"]["native_guard"]
@@ -30,8 +35,8 @@ def test_affected_release_is_wrong_unguarded_and_bit_identical_guarded(version):
 
 
 @pytest.mark.parametrize("version", version_matrix.FIXED)
-def test_fixed_release_is_recognised_and_sped_up(version):
-    report = version_matrix.probe_release(version)
+def test_fixed_release_is_recognised_and_sped_up(reports, version):
+    report = reports[version]
     assert "error" not in report, report.get("error")
     assert report["target"]["strategy"] == "weight_tma" and report["target"]["native_guard"]
     assert report["verdict"]["status"] == "not-affected" and report["exit_code"] == 0
