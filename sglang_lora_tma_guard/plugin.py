@@ -1,8 +1,10 @@
 """Entry point of SGLang's general-plugin group ``sglang.srt.plugins`` (name ``lora_tma_guard``).
 
 SGLang's ``load_plugins()`` calls :func:`register` once in every process it starts: the launcher,
-each scheduler (one per GPU rank) and the offline ``Engine``. It reads the switch and arms the
-guard; the patch itself happens when SGLang imports its fused-MoE module.
+each scheduler (one per GPU rank) and the offline ``Engine``. It reads the switch and arms both
+fixes: the TMA guard (:mod:`~sglang_lora_tma_guard.guard`; the patch happens when SGLang imports its
+fused-MoE module) and the shared-expert fix (:mod:`~sglang_lora_tma_guard.fusion`; its hooks on
+``ServerArgs`` are applied by ``load_plugins()`` right after this returns).
 
 A scheduler process runs ``load_plugins()`` before it configures logging (SGLang 0.5.16), so a line
 logged while the guard installs there goes nowhere. Where that process's scheduler module is
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from . import guard
+from . import fusion, guard
 from .settings import ENV_VAR, invalid_value_message, read_switch
 
 logger = logging.getLogger("sglang_lora_tma_guard")
@@ -36,6 +38,7 @@ def register() -> None:
             logger.debug("sglang-lora-tma-guard: %s is %s", ENV_VAR, switch.describe())
             return
         guard.activate(weight_tma=not switch.plain)
+        fusion.activate()
         _announce_after_scheduler_logging()
     except Exception:
         # SGLang logs and swallows plugin errors too, under its own name; say plainly whose it is.
