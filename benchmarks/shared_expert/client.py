@@ -1,0 +1,71 @@
+"""Requests to a running SGLang server with the adapters of make_model.py.
+
+    python client.py run PORT OUT.json NAME    greedy requests, 24 new tokens each: every prompt alone
+                                               for the base model, r1, r2 and s1 in that order (so the
+                                               adapters take LoRA pool slots 1, 2, 3), then waves of 16
+                                               and 32 concurrent requests mixing all four
+    python client.py load PORT OUT.json NAME   decode throughput with LoRA: waves of 1, 16 and 64
+                                               concurrent requests (adapters in turn), 128 new tokens
+                                               each, one warm-up wave then the median of 3 timed ones
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# One HTTP client for every server benchmark: benchmarks/e2e/client.py (a module of the same name).
+_spec = importlib.util.spec_from_file_location("e2e_client", Path(__file__).resolve().parents[1] / "e2e" / "client.py")
+_e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_e2e)
+generate, wave = _e2e.generate, _e2e.wave
+
+ADAPTERS = [None, "r1", "r2", "s1"]  # None: the base model
+NEW_TOKENS = 24
+
+
+def prompt(i: int) -> list[int]:
+    return [(37 * i + 11 * k + 7) % 2000 + 2 for k in range(4 + (i * 5) % 21)]
+
+
+def run(port: int) -> dict:
+    jobs = [(prompt(i), adapter) for i in range(5) for adapter in ADAPTERS]
+    outputs = [generate(port, ids, adapter, NEW_TOKENS) for ids, adapter in jobs]
+    for size in (16, 32):
+        wave_jobs = [(prompt(100 + size + k), ADAPTERS[k % len(ADAPTERS)]) for k in range(size)]
+        jobs += wave_jobs
+        outputs += wave(port, wave_jobs, NEW_TOKENS)
+    return {"requests": [{"prompt": ids, "adapter": adapter, "output": out}
+                         for (ids, adapter), out in zip(jobs, outputs)]}
+
+
+def load(port: int, new_tokens: int = 128) -> dict:
+    result = {}
+    for concurrency in (1, 16, 64):
+        jobs = [(prompt(500 + k), ADAPTERS[1 + k % 3]) for k in range(concurrency)]
+        wave(port, jobs, new_tokens)  # warm-up
+        rates = []
+        for _ in range(3):
+            started = time.perf_counter()
+            generated = sum(len(out) for out in wave(port, jobs, new_tokens))
+            rates.append(generated / (time.perf_counter() - started))
+        result[str(concurrency)] = round(statistics.median(rates), 1)
+    return {"decode_tokens_per_s": result, "new_tokens_per_request": new_tokens}
+
+
+def main(argv) -> int:
+    task, port, out, name = argv[0], int(argv[1]), argv[2], argv[3]
+    result = {"name": name, **(run(port) if task == "run" else load(port))}
+    with open(out, "w") as f:
+        json.dump(result, f)
+    summary = {k: v for k, v in result.items() if k != "requests"}
+    print(json.dumps(summary) if task == "load" else f"{name}: {len(result['requests'])} requests answered")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,124 @@
+"""Score a server's greedy tokens against a PyTorch reference of the same model and adapters.
+
+    python reference.py MODEL_DIR LORA_DIR RUN.json [RUN.json ...] [--device cuda] [--out VERDICT.txt]
+
+The reference is transformers' own model class for the checkpoint (``Glm4MoeForCausalLM``,
+``DeepseekV3ForCausalLM``) in fp32, each adapter merged into its weights as peft defines it:
+``W + (lora_alpha / r) * B @ A`` for every routed expert it covers and, where it has them, the
+shared expert. Teacher-forced on the server's own tokens: a position is *bad* when the reference's
+best next token beats the server's token by more than 0.5 nats. A bf16 server of a correct model
+has a bad position now and then (near-ties that bf16 flips, top-k routing included); a request whose
+adapter is applied wrongly has nearly all of them bad. A request counts as right with at most
+``MAX_BAD`` bad positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+NATS = 0.5
+MAX_BAD = 3
+
+
+class Reference:
+    def __init__(self, model_dir: str, lora_dir: str, device: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+        self.lora_dir, self.device = lora_dir, device
+        self.pristine = {k: v.detach().clone() for k, v in self.model.state_dict().items() if ".mlp." in k}
+        self.adapter = None
+
+    def use(self, adapter: str | None) -> None:
+        """Load ``adapter`` merged into the weights (None: the base model)."""
+        if adapter == self.adapter:
+            return
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, value in self.pristine.items():
+                state[name].copy_(value)
+            if adapter is not None:
+                self._merge(adapter, state)
+        self.adapter = adapter
+
+    def _merge(self, adapter: str, state: dict) -> None:
+        with open(f"{self.lora_dir}/{adapter}/adapter_config.json") as f:
+            cfg = json.load(f)
+        scale = cfg["lora_alpha"] / cfg["r"]
+        lora = load_file(f"{self.lora_dir}/{adapter}/adapter_model.safetensors", device=self.device)
+        inter = self.model.config.moe_intermediate_size
+        for key in [k for k in lora if k.endswith("lora_A.weight")]:
+            delta = scale * (lora[key.replace("lora_A", "lora_B")].float() @ lora[key].float())
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            prefix, proj = module.rsplit(".", 1)
+            if ".experts." in prefix:  # transformers keeps each layer's experts as two stacked tensors
+                experts, expert = prefix.rsplit(".", 1)
+                e = int(expert)
+                if proj == "down_proj":
+                    state[f"{experts}.down_proj"][e] += delta
+                else:
+                    half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+                    state[f"{experts}.gate_up_proj"][e, half] += delta
+            else:
+                state[f"{module}.weight"] += delta
+
+    @torch.no_grad()
+    def score(self, prompt: list[int], output: list[int]) -> dict:
+        ids = torch.tensor([prompt + output], device=self.device)
+        logprobs = torch.log_softmax(self.model(ids).logits[0].float(), dim=-1)
+        rows = logprobs[len(prompt) - 1 : len(prompt) - 1 + len(output)]
+        chosen = rows[torch.arange(len(output)), torch.tensor(output, device=self.device)]
+        gap = rows.max(dim=-1).values - chosen
+        bad = (gap > NATS).nonzero().flatten().tolist()
+        return {"bad": len(bad), "first_bad": bad[0] if bad else None, "gap_median": float(gap.median())}
+
+
+def verdict(ref: Reference, runs: list[str]) -> str:
+    lines = [f"Teacher-forced against transformers' fp32 model with each adapter merged; a position is bad when "
+             f"the reference's best token beats the server's by > {NATS} nats; a request is right with at most "
+             f"{MAX_BAD} bad positions."]
+    for path in runs:
+        with open(path) as f:
+            run = json.load(f)
+        scored: dict[str, list[dict]] = {}
+        for request in sorted(run["requests"], key=lambda r: r["adapter"] or ""):
+            ref.use(request["adapter"])
+            scored.setdefault(request["adapter"] or "base", []).append(ref.score(request["prompt"], request["output"]))
+        lines += ["", f"== {run['name']} ({path}): {len(run['requests'])} requests, {run.get('failed', 0)} failed",
+                  "   adapter  requests  right  bad positions  first bad token (median)  median gap (nats)"]
+        for adapter, rows in scored.items():
+            right = sum(r["bad"] <= MAX_BAD for r in rows)
+            first = [r["first_bad"] for r in rows if r["bad"] > MAX_BAD]
+            lines.append(
+                f"   {adapter:<8} {len(rows):>8}  {right:>5}  {sum(r['bad'] for r in rows):>5}/{sum(len(x['output']) for x in run['requests'] if (x['adapter'] or 'base') == adapter):<7}"
+                f"  {statistics.median(first) if first else '-':>24}  {statistics.median(r['gap_median'] for r in rows):>17.3f}")
+        total = sum(len(rows) for rows in scored.values())
+        wrong = sum(r["bad"] > MAX_BAD for rows in scored.values() for r in rows)
+        lines.append(f"   VERDICT {run['name']}: {total - wrong}/{total} right")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("lora")
+    parser.add_argument("runs", nargs="+")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    text = verdict(Reference(args.model, args.lora, args.device), args.runs)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
