@@ -38,6 +38,7 @@ ARCHS = {
         num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
         moe_intermediate_size=128, scoring_func="sigmoid", topk_method="noaux_tc", rope_interleave=True,
+        moe_layer_freq=1, num_nextn_predict_layers=0, ep_size=1,
     ),
 }
 
