@@ -7,9 +7,11 @@ The reference is transformers' own model class for the checkpoint (``Glm4MoeForC
 ``W + (lora_alpha / r) * B @ A`` for every routed expert it covers and, where it has them, the
 shared expert. Teacher-forced on the server's own tokens: a position is *bad* when the reference's
 best next token beats the server's token by more than 0.5 nats. A bf16 server of a correct model
-has a bad position now and then (near-ties that bf16 flips, top-k routing included); a request whose
-adapter is applied wrongly has nearly all of them bad. A request counts as right with at most
-``MAX_BAD`` bad positions.
+has a bad position now and then (near-ties that bf16 flips, top-k routing included): 0-4 of 24 per
+request in the H200 runs (benchmarks/results/shared_expert/); a request whose adapter is applied
+wrongly has most of them bad: 14-24 of 24 there. A request counts as right with at most ``MAX_BAD``
+(a quarter of its positions) bad; the verdict prints both sides of that gap, so a run whose counts
+come near it is seen at once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 NATS = 0.5
-MAX_BAD = 3
+MAX_BAD = 6
 
 
 class Reference:
@@ -98,9 +100,12 @@ def verdict(ref: Reference, runs: list[str]) -> str:
             lines.append(
                 f"   {adapter:<8} {len(rows):>8}  {right:>5}  {sum(r['bad'] for r in rows):>5}/{sum(len(x['output']) for x in run['requests'] if (x['adapter'] or 'base') == adapter):<7}"
                 f"  {statistics.median(first) if first else '-':>24}  {statistics.median(r['gap_median'] for r in rows):>17.3f}")
-        total = sum(len(rows) for rows in scored.values())
-        wrong = sum(r["bad"] > MAX_BAD for rows in scored.values() for r in rows)
-        lines.append(f"   VERDICT {run['name']}: {total - wrong}/{total} right")
+        counts = [r["bad"] for rows in scored.values() for r in rows]
+        right = [c for c in counts if c <= MAX_BAD]
+        wrong = [c for c in counts if c > MAX_BAD]
+        spread = (f"bad positions per request: right {min(right)}-{max(right)}" if right else "no request right") + (
+            f", wrong {min(wrong)}-{max(wrong)}" if wrong else "")
+        lines.append(f"   VERDICT {run['name']}: {len(right)}/{len(counts)} right ({spread})")
     return "\n".join(lines)
 
 
