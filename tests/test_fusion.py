@@ -1,0 +1,208 @@
+"""The shared-expert fix: LoRA servers run with SGLang's shared-experts fusion off, or do not start.
+
+Unit tests of the decisions on stand-in records; then SGLang 0.5.16's own ``ServerArgs`` with the
+plugin loaded by ``load_plugins()`` (a fresh interpreter: SGLang's hooks are applied for good), and
+SGLang's own ``LoRAManager.init_lora_modules`` over a model with a fused and an unfused MoE layer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_lora_tma_guard import fusion
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def fix_on():
+    was = fusion.active()
+    fusion._wanted = True  # the decision functions only; no hooks are registered here
+    yield
+    fusion._wanted = was
+
+
+@pytest.mark.parametrize("fields, asked", [
+    (dict(enable_lora=True), True),
+    (dict(enable_lora=None, lora_paths=["a=/x"]), True),
+    (dict(enable_lora=None, lora_paths={"a": "/x"}), True),
+    (dict(enable_lora=False, lora_paths=["a=/x"]), False),  # SGLang ignores the paths then
+    (dict(enable_lora=None, lora_paths=None), False),
+    (dict(enable_lora=None, lora_paths=[]), False),
+])
+def test_lora_is_requested_exactly_as_sglang_decides_it(fields, asked):
+    assert fusion.lora_requested(SimpleNamespace(**fields)) is asked
+
+
+def raw_record(**fields):
+    base = dict(enable_lora=True, lora_paths=None, disable_shared_experts_fusion=False,
+                enforce_shared_experts_fusion=False, enable_waterfill=False)
+    return SimpleNamespace(**{**base, **fields})
+
+
+def test_a_lora_server_gets_fusion_off_before_resolution(fix_on, caplog):
+    record = raw_record()
+    with caplog.at_level(logging.WARNING, "sglang_lora_tma_guard"):
+        assert fusion.before_resolution(record) is None  # a BEFORE hook that keeps SGLang's arguments
+    assert record.disable_shared_experts_fusion is True
+    [line] = caplog.messages
+    assert "shared-experts fusion is turned off" in line
+
+
+@pytest.mark.parametrize("forced, flag", [("enforce_shared_experts_fusion", "--enforce-shared-experts-fusion"),
+                                          ("enable_waterfill", "--enable-waterfill")])
+def test_forced_fusion_is_left_with_a_loud_warning(fix_on, caplog, forced, flag):
+    record = raw_record(**{forced: True})
+    with caplog.at_level(logging.WARNING, "sglang_lora_tma_guard"):
+        fusion.before_resolution(record)
+    assert record.disable_shared_experts_fusion is False
+    [line] = caplog.messages
+    assert flag in line and "WILL BE WRONG" in line
+
+
+def test_nothing_changes_without_lora_when_resolved_or_when_the_fix_is_off(fix_on, caplog):
+    without_lora = raw_record(enable_lora=None)
+    resolved = raw_record(_resolution_finished=True)  # a pickled child copy: final
+    with caplog.at_level(logging.DEBUG, "sglang_lora_tma_guard"):
+        fusion.before_resolution(without_lora)
+        fusion.before_resolution(resolved)
+        fusion._wanted = False
+        off = raw_record()
+        fusion.before_resolution(off)
+        fusion.before_check_server_args(off)
+    assert not any(r.disable_shared_experts_fusion for r in (without_lora, resolved, off))
+    assert caplog.messages == []
+
+
+class Audited(SimpleNamespace):
+    """A resolved record of 0.5.16/0.5.17 (``override``) or 0.5.18 (``_late_resolution``)."""
+
+    def record_write(self, source, **fields):
+        self.writes.append((source, fields))
+        self.__dict__.update(fields)
+
+
+@pytest.mark.parametrize("writer", ["override", "_late_resolution"])
+def test_a_record_resolved_before_the_plugin_is_changed_through_sglangs_audited_write(fix_on, writer):
+    record = Audited(**vars(raw_record(_declarations_materialized=True)), writes=[])
+    setattr(record, writer, record.record_write)
+    fusion.before_check_server_args(record)
+    assert record.writes == [(fusion.SOURCE, {"disable_shared_experts_fusion": True})]
+    assert record.disable_shared_experts_fusion is True
+
+
+def test_a_read_only_resolved_record_is_left_for_the_schedulers_check(fix_on, caplog):
+    record = raw_record(_resolution_finished=True)  # 0.5.19+: no audited late write exists
+    with caplog.at_level(logging.WARNING, "sglang_lora_tma_guard"):
+        fusion.before_check_server_args(record)
+    assert record.disable_shared_experts_fusion is False
+    [line] = caplog.messages
+    assert "will refuse to start" in line and "--disable-shared-experts-fusion" in line
+
+
+def probe(env_value: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
+    if env_value is not None:
+        env["SGLANG_LORA_TMA_GUARD"] = env_value
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "fusion_probe.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("switch", ["1", pytest.param("plain", marks=pytest.mark.slow)])
+def test_sglangs_server_args_for_a_lora_server_reach_the_schedulers_with_fusion_off(switch):
+    """SGLang 0.5.16's own ServerArgs, the plugin loaded by load_plugins(), records sent to a spawned child."""
+    result = probe(switch)
+    assert result["hooked"] == "ServerArgs.__post_init__" and result["fix_active"] is True
+    assert result["lora_paths"] is True and result["enable_lora"] is True
+    assert result["enable_lora_false_with_paths"] is False and result["no_lora"] is False
+    assert result["lora_forced_fusion"] is False  # the user's word
+    assert result["resolved_before_plugins"]["child"] is True  # Engine(server_args=...): check_server_args
+    assert sum("WILL BE WRONG" in line for line in result["warnings"]) == 1
+    assert sum("fusion is turned off" in line for line in result["warnings"]) == 3
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_without_the_guard_sglang_fuses_for_lora_servers_too():
+    """What the fix changes: SGLang 0.5.16 alone leaves fusion on for every LoRA server."""
+    result = probe(None)
+    assert result["fix_active"] is False and result["warnings"] == []
+    assert not any(result[case] for case in ("lora_paths", "enable_lora", "no_lora"))
+    assert result["resolved_before_plugins"]["child"] is False
+
+
+# --- the scheduler's check, on SGLang's own LoRAManager.init_lora_modules ---------------------------
+
+
+def moe_layer(fused_shared: int):
+    """A FusedMoE of SGLang's class (so its LoRA manager wraps it), without its GPU set-up."""
+    import torch
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    layer = FusedMoE.__new__(FusedMoE)
+    torch.nn.Module.__init__(layer)
+    layer.num_experts, layer.num_fused_shared_experts = 16 + fused_shared, fused_shared
+    return layer
+
+
+def lora_manager(fused_shared: int):
+    """SGLang's LoRAManager as far as ``init_lora_modules`` reads it, over a 2-layer MoE model."""
+    import torch
+    from sglang.srt.lora.lora_manager import LoRAManager
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList()
+    for _ in range(2):
+        block = torch.nn.Module()
+        block.mlp = torch.nn.Module()
+        block.mlp.experts = moe_layer(fused_shared)
+        model.model.layers.append(block)
+    manager = LoRAManager.__new__(LoRAManager)
+    manager.base_model, manager.base_hf_config = model, SimpleNamespace(num_hidden_layers=2)
+    manager.target_modules = {"gate_up_proj", "down_proj"}
+    manager.experts_shared_outer_loras = manager.lora_use_virtual_experts = False
+    # SGLang's FusedMoEWithLoRA builds its MoE runner on a GPU; the wrapper keeps what the check reads.
+    manager.set_lora_module = lambda name, module: SimpleNamespace(base_layer=module)
+    return manager
+
+
+@pytest.fixture
+def fusion_check(fm):
+    fusion.activate()
+    yield
+    fusion.deactivate()
+
+
+@pytest.mark.real
+def test_a_scheduler_refuses_a_lora_wrapped_moe_layer_with_a_fused_shared_expert(fusion_check):
+    manager = lora_manager(fused_shared=1)
+    with pytest.raises(fusion.FusedSharedExpertWithLoRA, match="--disable-shared-experts-fusion") as refused:
+        manager.init_lora_modules()
+    assert "2 LoRA-wrapped MoE layer(s)" in str(refused.value) and "17 experts" in str(refused.value)
+    assert len(manager.lora_modules) == 2  # SGLang's own method ran to the end first
+
+
+@pytest.mark.real
+def test_a_scheduler_starts_when_the_shared_expert_is_not_fused_or_the_check_is_off(fusion_check):
+    lora_manager(fused_shared=0).init_lora_modules()
+    fusion.deactivate()
+    lora_manager(fused_shared=1).init_lora_modules()  # the original method, unwrapped
+
+
+@pytest.mark.real
+def test_a_scheduler_with_fusion_forced_by_the_user_warns_instead(fusion_check, monkeypatch, caplog):
+    monkeypatch.setattr(fusion, "_server_args_here", lambda: raw_record(enforce_shared_experts_fusion=True))
+    with caplog.at_level(logging.WARNING, "sglang_lora_tma_guard"):
+        lora_manager(fused_shared=1).init_lora_modules()
+    assert any("WILL BE WRONG" in line for line in caplog.messages)
