@@ -1,13 +1,16 @@
 """The guard on every SGLang release it claims, each from its own PyPI wheel.
 
-    python scripts/version_matrix.py [--versions 0.5.11 ...] [--json FILE]
+    python scripts/version_matrix.py [--versions 0.5.11 ...] [--fusion-versions 0.5.11 ...] [--json FILE]
 
 Each release is installed with ``--no-deps`` into its own folder under the cache
 (``$LORA_TMA_GUARD_CACHE``, default ``~/.cache/sglang-lora-tma-guard``; kept between runs) and put
 first on ``PYTHONPATH`` of a fresh ``python -m sglang_lora_tma_guard.check --selftest --json``,
 which reads its strategy and, where the guard has work to do, runs the real kernels on the CPU
-(Triton's interpreter): hooked + TMA requested, without and with the guard. The rest of the import
-chain is the one of this environment (requirements/sglang-0.5.16-cpu.txt). Prints a Markdown table.
+(Triton's interpreter): hooked + TMA requested, without and with the guard. Then, for every release
+0.5.11-0.5.23, ``scripts/fusion_probe.py`` with the guard on: the shared-expert fix on that release's
+own ``ServerArgs`` (hook placement, LoRA asked for in each way, records sent to a spawned child).
+The rest of the import chain is the one of this environment (requirements/sglang-0.5.16-cpu.txt).
+Prints two Markdown tables.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 from sglang_lora_tma_guard.tiny_moe import WEIGHT_TMA_LAUNCH  # noqa: E402
 
 AFFECTED = ["0.5.11", "0.5.12.post1", "0.5.13.post1", "0.5.14", "0.5.15.post1", "0.5.16"]
 FIXED = ["0.5.17", "0.5.20", "0.5.23"]
 VERSIONS = AFFECTED + FIXED
+FUSION_VERSIONS = AFFECTED + ["0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
 
 
 def cache_dir() -> Path:
@@ -47,10 +52,16 @@ def install(version: str) -> Path:
     return target
 
 
+def release_env(version: str, **extra: str) -> dict:
+    """This environment with ``sglang==version`` first on the path and the switch as given."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(install(version)), str(REPO)])
+    return {**env, **extra}
+
+
 def probe_release(version: str) -> dict:
     """Strategy, verdict and self-test of one release, from a fresh interpreter."""
-    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(install(version)), str(Path(__file__).resolve().parents[1])])
+    env = release_env(version)
     proc = subprocess.run(
         [sys.executable, "-m", "sglang_lora_tma_guard.check", "--selftest", "--json", "--device", "cpu"],
         env=env, capture_output=True, text=True, timeout=900,
@@ -64,12 +75,23 @@ def probe_release(version: str) -> dict:
     return report
 
 
-def probe_all(versions, jobs: int = 2) -> dict:
-    """{version: report}, the wheels installed one pip at a time, then ``jobs`` probes at once."""
+def probe_fusion(version: str) -> dict:
+    """The shared-expert fix on one release's own ServerArgs, guard on (scripts/fusion_probe.py)."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "fusion_probe.py")],
+                          env=release_env(version, SGLANG_LORA_TMA_GUARD="1"),
+                          capture_output=True, text=True, timeout=600)
+    try:
+        return {**json.loads(proc.stdout.splitlines()[-1]), "version": version}
+    except (IndexError, json.JSONDecodeError):
+        return {"version": version, "error": (proc.stdout + proc.stderr)[-2000:]}
+
+
+def probe_all(versions, jobs: int = 2, probe=probe_release) -> dict:
+    """{version: probe(version)}, the wheels installed one pip at a time, then ``jobs`` probes at once."""
     for version in versions:
         install(version)
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        return dict(zip(versions, pool.map(probe_release, versions)))
+        return dict(zip(versions, pool.map(probe, versions)))
 
 
 def row(report: dict) -> str:
@@ -99,17 +121,41 @@ def markdown(reports: list[dict]) -> str:
     ])
 
 
+def fusion_row(result: dict) -> str:
+    if "error" in result:
+        return f"| {result['version']} | error | | | | |"
+    yes = {True: "fusion off", False: "untouched"}
+    early = result["resolved_before_plugins"]["child"]
+    return (f"| {result['version']} | {result['hooked']} | {yes[result['lora_paths']]} / "
+            f"{yes[result['enable_lora']]} | {yes[result['no_lora']]} / {yes[result['enable_lora_false_with_paths']]} | "
+            f"{yes[result['lora_forced_fusion']]} (warned) | {yes[early]} |")
+
+
+def fusion_markdown(results: list[dict]) -> str:
+    return "\n".join([
+        "| sglang | hook on | LoRA server (--lora-paths / --enable-lora), as a scheduler receives it | "
+        "no LoRA / --enable-lora false | fusion forced | Engine(server_args=...) built before plugins |",
+        "|---|---|---|---|---|---|",
+        *(fusion_row(r) for r in results),
+    ])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", nargs="+", default=VERSIONS)
+    parser.add_argument("--fusion-versions", nargs="+", default=FUSION_VERSIONS)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", dest="json_out")
     args = parser.parse_args(argv)
     reports = list(probe_all(args.versions, args.jobs).values())
     print(markdown(reports))
+    fusion = list(probe_all(args.fusion_versions, args.jobs, probe_fusion).values())
+    print()
+    print(fusion_markdown(fusion))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(reports, indent=1))
+        Path(args.json_out).write_text(json.dumps({"tma": reports, "fusion": fusion}, indent=1))
     failed = [r["version"] for r in reports if "error" in r or (r.get("selftest") or {}).get("passed") is False]
+    failed += [r["version"] for r in fusion if "error" in r or not r["lora_paths"] or r["no_lora"]]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

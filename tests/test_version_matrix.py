@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import version_matrix  # noqa: E402
+from sglang_lora_tma_guard.inspection import release_tuple  # noqa: E402
 from sglang_lora_tma_guard.tiny_moe import WEIGHT_TMA_LAUNCH  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
@@ -44,3 +45,24 @@ def test_fixed_release_is_recognised_and_sped_up(reports, version):
     assert result["passed"] is True and result["exposed_without_guard"] is False
     for case in result["cases"]:
         assert case["identical_with_guard"] and case["guarded_launches"] == [WEIGHT_TMA_LAUNCH] * 2
+
+
+@pytest.fixture(scope="module")
+def fusion_results():
+    """The shared-expert fix on every release 0.5.11-0.5.23, guard on, two releases at a time."""
+    return version_matrix.probe_all(version_matrix.FUSION_VERSIONS, probe=version_matrix.probe_fusion)
+
+
+@pytest.mark.parametrize("version", version_matrix.FUSION_VERSIONS)
+def test_every_release_gives_a_lora_server_fusion_off_and_leaves_the_rest(fusion_results, version):
+    result = fusion_results[version]
+    assert "error" not in result, result.get("error")
+    assert result["version"] == version and result["fix_active"] is True
+    # From 0.5.19 resolution is its own method; from 0.5.20 a __post_init__ hook would never run.
+    resolves_once = release_tuple(version) >= (0, 5, 19)
+    assert result["hooked"] == ("ServerArgs.resolve_once" if resolves_once else "ServerArgs.__post_init__")
+    # As a spawned child receives it (SGLang pickles the record into each scheduler):
+    assert result["lora_paths"] is True and result["enable_lora"] is True
+    assert result["no_lora"] is False and result["enable_lora_false_with_paths"] is False
+    assert result["lora_forced_fusion"] is False
+    assert result["resolved_before_plugins"]["child"] is True
