@@ -1,4 +1,4 @@
-"""Am I affected, and am I protected?
+"""Am I affected, and am I protected? Both LoRA-on-MoE bugs: the TMA down path, and a fused shared expert.
 
     python -m sglang_lora_tma_guard.check [--json] [--selftest [--device cpu|cuda]]
         [--model-path DIR --tp N [--ep N] [--device-name 'NVIDIA H200']]
@@ -7,13 +7,17 @@ Reads the installed SGLang's ``_fused_moe_kernel_sequence`` (its signature and c
 package's entry point, ``SGLANG_PLUGINS`` and ``SGLANG_LORA_TMA_GUARD``, and tries the wrapper in
 this process. Runs without a GPU.
 
-With ``--model-path`` it also predicts, from the model's config.json and the installed SGLang's
-own config lookup, whether that deployment takes the TMA down path at all (see ``exposure``).
+It also tries the shared-expert fix in this process: SGLang's own ``ServerArgs`` for a LoRA server,
+with the fix's hooks applied through SGLang's ``HookRegistry``, must come out with shared-experts
+fusion off. With ``--model-path`` it also predicts, from the model's config.json and the installed
+SGLang's own config lookup, whether SGLang fuses that model's shared expert and whether the shape the
+server will really build takes the TMA down path at all (see ``exposure``).
 With ``--selftest`` it also runs a tiny LoRA-hooked block-fp8 MoE through the installed SGLang,
 TMA requested, without and with the guard (on a GPU natively, else through Triton's interpreter).
 
 Exit status: 0 not affected or protected; 1 affected and not protected, or the self-test failed;
-2 cannot tell (SGLang missing or not importable, or the self-test could not run).
+2 cannot tell (SGLang missing or not importable, the self-test could not run, or the answer depends
+on a model: without the guard, LoRA is wrong on models whose shared expert SGLang fuses).
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import platform
 import sys
 import warnings
 from importlib import metadata
 
-from . import __version__, exposure, guard, selftest
+from . import __version__, exposure, fusion, guard, selftest
 from .inspection import (
     FLAG_PARAM,
     HOOKS_PARAM,
@@ -162,10 +167,44 @@ def guard_report(strategy: str | None) -> dict:
         "sglang_plugins": allow,
         "admitted_by_sglang_plugins": admitted,
         "wrapper_installs": None,
+        "shared_expert_fix": _try_the_fusion_fix(),
     }
     if Strategy(strategy).installs_wrapper:
         report["wrapper_installs"] = _try_the_wrapper(weight_tma=not switch.plain)
     return report
+
+
+def _try_the_fusion_fix() -> dict:
+    """Apply the fix's hooks through SGLang's registry and build a LoRA server's arguments, as a launcher would.
+
+    The record goes through a pickle, as it does to each scheduler. The hooks stay applied in this
+    process (SGLang's registry cannot take them back) and go inert when the fix was off before.
+    """
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as exc:
+        return {"hook": None, "lora_server_fusion_off": False, "error": f"{type(exc).__name__}: {exc}"}
+    hook = f"ServerArgs.{fusion.resolution_method(ServerArgs)}"
+    was_active = fusion.active()
+    logger = logging.getLogger("sglang_lora_tma_guard")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # the trial's "fusion is turned off" line is not news here
+    try:
+        fusion.activate()
+        HookRegistry.apply_hooks()
+        record = ServerArgs(model_path="dummy", enable_lora=True)
+        if hasattr(record, "resolve_once"):
+            record.resolve_once()
+        received = pickle.loads(pickle.dumps(record))
+        return {"hook": hook, "lora_server_fusion_off": received.disable_shared_experts_fusion is True,
+                "error": None}
+    except Exception as exc:
+        return {"hook": hook, "lora_server_fusion_off": False, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if not was_active:
+            fusion.deactivate()
+        logger.setLevel(level)
 
 
 def _try_the_wrapper(weight_tma: bool) -> bool:
@@ -182,9 +221,13 @@ def _try_the_wrapper(weight_tma: bool) -> bool:
 
 
 def verdict(report: dict) -> dict:
-    """The one verdict, from everything the report found: target, guard, exposure, self-test."""
-    version = report["environment"]["sglang"]
-    target, guarded = report["target"], report["guard"]
+    """The one verdict, from everything the report found: target, guard, exposure, self-test.
+
+    Two bugs are judged apart (the TMA down path, a fused shared expert), each ``ok``, ``fixed``,
+    ``exposed`` or ``unknown``; the worst decides: exposed, then unknown, then protected (the guard
+    fixes one), then not affected.
+    """
+    target = report["target"]
     found, result = report.get("exposure") or {}, report.get("selftest") or {}
     if not target["importable"]:
         return _verdict("unknown", EXIT_UNKNOWN, target["error"])
@@ -199,31 +242,37 @@ def verdict(report: dict) -> dict:
             f"even with the guard (strategy {strategy.value})")
     if strategy is Strategy.ABSENT:
         return _verdict("not-affected", EXIT_OK, target["reason"])
-    if strategy is Strategy.UNSUPPORTED:
-        return _verdict("exposed", EXIT_EXPOSED,
-                        f"{target['reason']}; this build needs the upstream fix (SGLang 0.5.17 or later)")
+    parts = [_tma_part(report), _fusion_part(report)]
     where = _deployment(found)
+    for state, status, code in (("exposed", "exposed", EXIT_EXPOSED), ("unknown", "unknown", EXIT_UNKNOWN),
+                                ("fixed", "protected", EXIT_OK), ("ok", "not-affected", EXIT_OK)):
+        if any(s == state for s, _ in parts):
+            ordered = [text for s, text in parts if s == state] + [text for s, text in parts if s != state]
+            return _verdict(status, code, (f"{where}: " if where else "") + "; ".join(ordered))
+    raise AssertionError(parts)  # every part has one of the four states
+
+
+def _tma_part(report: dict) -> tuple[str, str]:
+    """The TMA down path: ``ok`` (never taken, or SGLang turns it off), ``fixed`` or ``exposed``."""
+    version = report["environment"]["sglang"]
+    target, found = report["target"], report.get("exposure") or {}
+    strategy = Strategy(target["strategy"])
+    if strategy is Strategy.UNSUPPORTED:
+        return "exposed", f"{target['reason']}; this build needs the upstream fix (SGLang 0.5.17 or later)"
     if found and not found["tma_anywhere"]:
         shape = found["shape"]
-        return _verdict(
-            "not-affected", EXIT_OK,
-            f"{where} never takes the TMA down path: no tuned down config for E={shape['experts_per_rank']}, "
-            f"N={shape['intermediate_per_shard']} says USE_TMA")
-    if found:
-        where = f"{where} takes the TMA down path at batch sizes {_ranges(_tma_buckets(found))}. "
-    missing = _missing_for_protection(guarded)
+        return "ok", (f"never takes the TMA down path: no tuned down config for E={shape['experts_per_rank']}, "
+                      f"N={shape['intermediate_per_shard']} says USE_TMA")
+    where = f"takes the TMA down path at batch sizes {_ranges(found['buckets'])}; " if found else ""
+    missing = _missing_for_protection(report["guard"])
     if target["native_guard"]:
         speed_up = (" (not active: " + "; ".join(missing) + ")" if missing
                     else "; the guard keeps TMA for the weights of hooked calls, a speed-up")
         note = speed_up if strategy is Strategy.WEIGHT_TMA else ""
-        return _verdict("not-affected", EXIT_OK,
-                        f"{where}SGLang {version} turns TMA off for LoRA-hooked calls itself{note}")
+        return "ok", f"{where}SGLang {version} turns TMA off for LoRA-hooked calls itself{note}"
     if missing:
-        return _verdict(
-            "exposed", EXIT_EXPOSED,
-            f"{where}SGLang {version} can run LoRA hooks on the TMA down path and the guard is not on: "
-            + "; ".join(missing),
-        )
+        return "exposed", (f"{where}SGLang {version} can run LoRA hooks on the TMA down path and the guard is "
+                           "not on: " + "; ".join(missing))
     how = {
         Strategy.WEIGHT_TMA: "with route-major buffers and TMA for the weights (down_moe_use_tma=False, "
                              "b_use_tma=True)",
@@ -231,9 +280,42 @@ def verdict(report: dict) -> dict:
         Strategy.FALLBACK: "on the guard's own route-major kernels (calls they do not cover are refused "
                            "with an error)",
     }[strategy]
-    return _verdict("protected", EXIT_OK,
-                    f"{where}SGLang {version} is affected; every SGLang process will run LoRA-hooked "
-                    f"MoE calls {how}")
+    return "fixed", (f"{where}SGLang {version} is affected; every SGLang process will run LoRA-hooked "
+                     f"MoE calls {how}")
+
+
+def _fusion_part(report: dict) -> tuple[str, str]:
+    """A fused shared expert under LoRA: ``ok``, ``fixed``, ``exposed``, or ``unknown`` without a model."""
+    guarded, found = report["guard"], report.get("exposure") or {}
+    shared = found.get("shared_expert")
+    missing = _missing_for_fusion_fix(guarded)
+    if shared is not None and not shared["sglang_fuses"]:
+        return "ok", "SGLang does not fuse this model's shared expert"
+    if shared is not None and shared["turned_off_by"] == "user":
+        return "ok", "shared-experts fusion is off (--disable-shared-experts-fusion)"
+    if not missing:
+        which = (f"SGLang fuses this model's shared expert (E={shape_fused(found)}); " if shared else "")
+        return "fixed", (f"{which}LoRA servers run with shared-experts fusion off, so SGLang's LoRA MoE "
+                         "kernels never read another adapter's weights for a fused shared expert")
+    if shared is not None:
+        return "exposed", (f"SGLang fuses this model's shared expert (E={shape_fused(found)}) and its LoRA MoE "
+                           "path then reads another adapter's weights there (every release 0.5.11-0.5.23): "
+                           + "; ".join(missing) + ", or pass --disable-shared-experts-fusion")
+    return "unknown", ("LoRA on a model whose shared expert SGLang fuses (DeepSeek-V3/R1, GLM-4.5 and later, "
+                       "GLM-5) is wrong on every release 0.5.11-0.5.23 and the guard's fix is not on ("
+                       + "; ".join(missing) + "): give --model-path to know about yours")
+
+
+def shape_fused(found: dict) -> int:
+    return found["shared_expert"]["experts_per_rank_fused"]
+
+
+def _missing_for_fusion_fix(guarded: dict) -> list[str]:
+    fix = guarded.get("shared_expert_fix") or {}
+    missing = [m for m in _missing_for_protection(guarded) if not m.startswith("report this")]
+    if not fix.get("lora_server_fusion_off"):
+        missing.append(f"report this: the shared-expert fix did not take on this SGLang ({fix.get('error')})")
+    return missing
 
 
 def _missing_for_protection(guarded: dict) -> list[str]:
@@ -329,6 +411,7 @@ def render(report: dict) -> str:
             + ("" if guarded["admitted_by_sglang_plugins"] else "  <- excludes lora_tma_guard"),
             f"  {ENV_VAR} {value} ({state})",
             f"  wrapper installs  {yes_no[guarded['wrapper_installs']]}",
+            f"  shared-expert fix {_render_fusion_fix(guarded['shared_expert_fix'])}",
         ]
     found = report.get("exposure")
     if found:
@@ -342,13 +425,14 @@ def render(report: dict) -> str:
             on = _tma_buckets(found)
             lines += [
                 f"  model             {found['model_path']} ({shape['architecture']})",
+                f"  shared expert     {_render_shared_expert(found['shared_expert'])}",
                 f"  per rank          E={shape['experts_per_rank']} ({shape['routed_experts']} routed / ep {shape['ep']}"
                 f"{fused}), N={shape['intermediate_per_shard']}, hidden {shape['hidden_size']}, top-{shape['topk']}",
                 f"  weights           {shape['dtype'] or 'bf16/fp16'}, fp8 block {block}",
                 f"  device            {found['device_name']}",
                 f"  down config       {found['down_config_file']}",
                 "  TMA down path     "
-                + (f"batch sizes {_ranges(on)}: {len(on)} of {len(found['buckets'])} tuned buckets "
+                + (f"batch sizes {_ranges(found['buckets'])}: {len(on)} of {len(found['buckets'])} tuned buckets "
                    "(larger batches use the largest)" if on else f"never ({len(found['buckets'])} tuned buckets)"),
             ]
     result = report.get("selftest")
@@ -361,6 +445,20 @@ def render(report: dict) -> str:
     verdict_ = report["verdict"]
     lines += ["", f"{verdict_['status'].upper()}: {verdict_['message']}"]
     return "\n".join(lines)
+
+
+def _render_fusion_fix(fix: dict) -> str:
+    if fix.get("lora_server_fusion_off"):
+        return f"takes: a LoRA server's arguments come out with fusion off (hook on {fix['hook']})"
+    return f"does not take on this SGLang: {fix.get('error')}"
+
+
+def _render_shared_expert(shared: dict) -> str:
+    if not shared["sglang_fuses"]:
+        return "not fused by SGLang"
+    by = {"user": "off (--disable-shared-experts-fusion)", "guard": "turned off by the guard for LoRA servers",
+          None: "ON: LoRA adapters read another adapter's weights there"}[shared["turned_off_by"]]
+    return f"SGLang fuses it by default (E={shared['experts_per_rank_fused']}); fusion {by}"
 
 
 def main(argv=None) -> int:
@@ -402,15 +500,25 @@ def _exposure(report: dict, args) -> dict:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return exposure.predict(args.model_path, args.tp, args.ep, args.device_name,
-                                    not args.no_shared_experts_fusion)
+            return exposure.predict(
+                args.model_path, args.tp, args.ep, args.device_name,
+                fusion_disabled=args.no_shared_experts_fusion,
+                guard_disables_fusion=not _missing_for_fusion_fix(report["guard"]))
     except exposure.ExposureError as exc:
         return {"error": str(exc)}
 
 
-def _ranges(sizes) -> str:
-    sizes = sorted(int(m) for m in sizes)
-    return f"{sizes[0]}-{sizes[-1]}" if len(sizes) > 2 else ", ".join(map(str, sizes))
+def _ranges(buckets: dict) -> str:
+    """The tuned buckets that say TMA, as runs of neighbouring buckets: ``1-64, 1024`` when 128-512 do not."""
+    ordered = sorted((int(m), tma) for m, tma in buckets.items())
+    runs, run = [], []
+    for size, tma in ordered:
+        if tma:
+            run.append(size)
+        elif run:
+            runs, run = runs + [run], []
+    runs += [run] if run else []
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def _run_selftest(report: dict, device: str) -> dict:

@@ -1,10 +1,12 @@
-"""Will this model, on this GPU, at this parallel size, take SGLang's TMA down path?
+"""Does this model, on this GPU, at this parallel size, meet either LoRA bug?
 
 Reads the model's ``config.json`` into the fused-MoE shape SGLang's Triton runner will see on one
 rank (experts per rank including a fused shared expert, intermediate size per shard, weight dtype,
-fp8 block shape), then asks the installed SGLang's own config lookup (``get_moe_configs``, with its
-device-name and Triton-version rules) which batch-size buckets have a tuned down config that says
-``USE_TMA``.
+fp8 block shape). First: does SGLang fuse the model's shared expert (LoRA on it is wrong on every
+release 0.5.11-0.5.23, see :mod:`~sglang_lora_tma_guard.fusion`), and will the server really fuse
+it? Then, for the shape the server will really build, the installed SGLang's own config lookup
+(``get_moe_configs``, with its device-name and Triton-version rules) says which batch-size buckets
+have a tuned down config that says ``USE_TMA``.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ class ExposureError(ValueError):
     """Input the prediction cannot use; the message is one line for the user."""
 
 
-# Shared-expert fusion in SGLang 0.5.16 (models/deepseek_v2.py and glm4_moe.py,
-# ``determine_num_fused_shared_experts``): on NVIDIA GPUs of compute capability 8.0 or newer and
+# Shared-expert fusion in SGLang 0.5.11-0.5.23 (each model's ``determine_num_fused_shared_experts``,
+# from 0.5.18 ``resolve_shared_experts_config``): on NVIDIA GPUs of compute capability 8.0 or newer,
 # without expert parallelism, these architectures fold their shared expert into the routed ones.
-FUSE_IF_256_ROUTED_AND_ONE_SHARED = {
-    "DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeLiteForCausalLM",
-}
-FUSE_ALWAYS = {"Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration"}
+FUSE_IF_256_ROUTED_AND_ONE_SHARED = {"DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM"}
+FUSE_IF_ONE_SHARED = {"Glm4MoeLiteForCausalLM"}
+FUSE_ALWAYS = {"Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "MiniMaxM3SparseForCausalLM"}
+FUSE_IF_EQUAL_WIDTHS = {"Qwen3NextForCausalLM"}  # one shared expert as wide as a routed one
 
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 
@@ -79,13 +81,7 @@ def moe_shape(config: dict, tp: int = 1, ep: int = 1, shared_experts_fusion: boo
         raise ExposureError(f"{architecture}: config lacks moe_intermediate_size, hidden_size or num_experts_per_tok")
     dtype, block_shape = _weight_format(merged.get("quantization_config"))
 
-    shared = merged.get("n_shared_experts") or 0
-    fused = 0
-    if shared_experts_fusion and ep == 1 and shared:
-        if architecture in FUSE_ALWAYS or (
-            architecture in FUSE_IF_256_ROUTED_AND_ONE_SHARED and routed == 256 and shared == 1
-        ):
-            fused = shared
+    fused = fused_shared_experts(architecture, routed, merged) if shared_experts_fusion and ep == 1 else 0
     moe_tp = tp // ep
     if routed % ep or intermediate % moe_tp:
         raise ExposureError(
@@ -95,6 +91,21 @@ def moe_shape(config: dict, tp: int = 1, ep: int = 1, shared_experts_fusion: boo
         experts_per_rank=routed // ep + fused, intermediate_per_shard=intermediate // moe_tp,
         hidden_size=hidden, topk=topk, dtype=dtype, block_shape=block_shape, tp=tp, ep=ep,
     )
+
+
+def fused_shared_experts(architecture: str, routed: int, config: dict) -> int:
+    """How many shared experts SGLang folds into the routed ones for this model (0: none)."""
+    shared = config.get("n_shared_experts") or 0
+    if architecture in FUSE_ALWAYS and shared:
+        return shared
+    if architecture in FUSE_IF_256_ROUTED_AND_ONE_SHARED and routed == 256 and shared == 1:
+        return 1
+    if architecture in FUSE_IF_ONE_SHARED and shared == 1:
+        return 1
+    width = config.get("shared_expert_intermediate_size")
+    if architecture in FUSE_IF_EQUAL_WIDTHS and width and width == config.get("moe_intermediate_size"):
+        return 1
+    return 0
 
 
 def _weight_format(quantization: dict | None) -> tuple[str | None, tuple[int, int] | None]:
@@ -153,6 +164,18 @@ def tma_buckets(shape: MoEShape, device_name: str | None = None) -> dict:
     }
 
 
-def predict(model_path: str, tp: int, ep: int, device_name: str | None, shared_experts_fusion: bool) -> dict:
-    shape = moe_shape(load_config(model_path), tp, ep, shared_experts_fusion)
-    return {"model_path": model_path, "shape": asdict(shape), **tma_buckets(shape, device_name)}
+def predict(model_path: str, tp: int, ep: int, device_name: str | None, *, fusion_disabled: bool,
+            guard_disables_fusion: bool) -> dict:
+    """The deployment's exposure: shared-expert fusion, and TMA for the shape the server builds.
+
+    ``fusion_disabled``: the server is started with ``--disable-shared-experts-fusion``;
+    ``guard_disables_fusion``: the guard is on in the launcher and will turn fusion off for LoRA.
+    """
+    config = load_config(model_path)
+    by_default = moe_shape(config, tp, ep, shared_experts_fusion=True)
+    turned_off_by = "user" if fusion_disabled else "guard" if guard_disables_fusion else None
+    served = moe_shape(config, tp, ep, shared_experts_fusion=turned_off_by is None)
+    shared = {"sglang_fuses": by_default.fused_shared_experts > 0, "turned_off_by": turned_off_by,
+              "experts_per_rank_fused": by_default.experts_per_rank}
+    return {"model_path": model_path, "shape": asdict(served), "shared_expert": shared,
+            **tma_buckets(served, device_name)}

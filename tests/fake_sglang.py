@@ -1,8 +1,9 @@
 """Small fake SGLang module trees, shaped like real releases, for unit tests of signature shapes.
 
 Each tree has ``sglang/srt/layers/moe/moe_runner/triton_utils/fused_moe.py`` with a
-``_fused_moe_kernel_sequence`` whose parameters are those of the release named (FACTS §1), and a
-``sglang-<version>.dist-info`` so that ``importlib.metadata.version("sglang")`` answers. The fake
+``_fused_moe_kernel_sequence`` whose parameters are those of the release named (the table of
+releases in README.md), a ``sglang-<version>.dist-info`` so that ``importlib.metadata.version("sglang")``
+answers, and stand-ins for ``ServerArgs`` and ``HookRegistry`` shaped like 0.5.11-0.5.18's. The fake
 function records what it was called with in ``CALLS`` and reads ``hooks`` the way SGLang does, so
 a hooks object of another shape fails here as it fails there.
 """
@@ -93,6 +94,69 @@ def load_function(release: dict, calls: list):
     return namespace["_fused_moe_kernel_sequence"]
 
 
+# Just enough of SGLang's server arguments and hook registry for the shared-expert fix: a dataclass
+# resolved in __post_init__ (as up to 0.5.18), and a registry that wraps a target on apply_hooks().
+SERVER_ARGS = """
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerArgs:
+    model_path: str
+    enable_lora: object = None
+    lora_paths: object = None
+    disable_shared_experts_fusion: bool = False
+    enforce_shared_experts_fusion: bool = False
+    enable_waterfill: bool = False
+
+    def __post_init__(self):
+        pass
+
+    def check_server_args(self):
+        pass
+"""
+HOOK_REGISTRY = """
+import enum, functools, pkgutil
+
+
+class HookType(enum.Enum):
+    BEFORE = "before"
+    AFTER = "after"
+
+
+class HookRegistry:
+    _hooks = {}
+    _patched = set()
+
+    @classmethod
+    def register(cls, target, hook, hook_type=HookType.AFTER):
+        cls._hooks.setdefault(target, []).append((hook_type, hook, None))
+
+    @classmethod
+    def apply_hooks(cls):
+        for target, hooks in cls._hooks.items():
+            if target in cls._patched:
+                continue
+            owner_path, name = target.rsplit(".", 1)
+            owner = pkgutil.resolve_name(owner_path)
+            function = getattr(owner, name)
+            for hook_type, hook, _ in hooks:
+                function = cls._wrap(function, hook, hook_type)
+            setattr(owner, name, function)
+            cls._patched.add(target)
+
+    @staticmethod
+    def _wrap(function, hook, hook_type):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if hook_type is HookType.BEFORE:
+                hook(*args, **kwargs)
+                return function(*args, **kwargs)
+            return hook(function(*args, **kwargs), *args, **kwargs)
+        return wrapper
+"""
+
+
 def write_tree(root: Path, version: str, shape: str | None = None, with_function: bool = True) -> Path:
     """Write a fake SGLang under ``root`` and return ``root`` (put it on sys.path).
 
@@ -110,6 +174,10 @@ def write_tree(root: Path, version: str, shape: str | None = None, with_function
     if with_function:
         source += function_source(release)
     (package / "fused_moe.py").write_text(source)
+    (root / "sglang/srt/server_args.py").write_text(SERVER_ARGS)
+    (root / "sglang/srt/plugins").mkdir()
+    (root / "sglang/srt/plugins/__init__.py").touch()
+    (root / "sglang/srt/plugins/hook_registry.py").write_text(HOOK_REGISTRY)
     dist = root / f"sglang-{version}.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")

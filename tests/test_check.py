@@ -27,12 +27,14 @@ class TestOnRealSGLang:
         code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "1"})
         assert code == 0 and out.splitlines()[-1].startswith("PROTECTED: SGLang 0.5.16 is affected")
         assert "wrapper installs  yes" in out
+        assert "shared-expert fix takes: a LoRA server's arguments come out with fusion off (hook on " \
+               "ServerArgs.__post_init__)" in out
 
     @pytest.mark.slow  # a fresh interpreter importing SGLang each
     def test_plain_switch_reports_the_plain_fix(self):
         code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "plain"})
         assert code == 0 and "strategy          flag" in out and "(on, plain fix)" in out
-        assert out.splitlines()[-1].endswith("MoE calls with down_moe_use_tma=False")
+        assert "MoE calls with down_moe_use_tma=False; LoRA servers run with shared-experts fusion off" in out
 
     @pytest.mark.slow  # a fresh interpreter importing SGLang each
     def test_allow_list_without_the_plugin_is_not_protected(self):
@@ -53,13 +55,15 @@ class TestOnRealSGLang:
 
 
 @pytest.mark.parametrize(
-    "version, shape, code, status",
-    [("0.5.17", "0.5.17", 0, "NOT-AFFECTED"), ("0.5.23", "0.5.23", 0, "NOT-AFFECTED"),
-     ("0.5.16.dev3+renamed", None, 0, "PROTECTED"), ("0.5.11", "0.5.11", 0, "PROTECTED")],
+    "version, shape, switch, code, status",
+    [("0.5.17", "0.5.17", "1", 0, "PROTECTED"), ("0.5.23", "0.5.23", "1", 0, "PROTECTED"),
+     ("0.5.16.dev3+renamed", None, "1", 0, "PROTECTED"), ("0.5.11", "0.5.11", "1", 0, "PROTECTED"),
+     # Without the guard a fixed release still serves LoRA wrongly on a fused shared expert.
+     ("0.5.23", "0.5.23", "0", 2, "UNKNOWN")],
 )
-def test_verdict_per_release_shape(tmp_path, version, shape, code, status):
+def test_verdict_per_release_shape(tmp_path, version, shape, switch, code, status):
     returncode, out, _ = run_check(tree=write_tree(tmp_path, version, shape),
-                                   env={"SGLANG_LORA_TMA_GUARD": "1"})
+                                   env={"SGLANG_LORA_TMA_GUARD": switch})
     assert (returncode, out.splitlines()[-1].split(":")[0]) == (code, status)
 
 

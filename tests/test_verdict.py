@@ -8,11 +8,13 @@ from sglang_lora_tma_guard.check import EXIT_EXPOSED, EXIT_OK, EXIT_UNKNOWN, ver
 
 
 def report(strategy="weight_tma", native=False, switch=True, entry=True, admitted=True, installs=True,
-           exposure=None, selftest=None, importable=True):
+           exposure=None, selftest=None, importable=True, fix_takes=True):
     target = {"importable": importable, "error": None if importable else "cannot import it",
               "strategy": strategy, "reason": f"reason of {strategy}", "native_guard": native}
     guard = {"switch": {"enabled": switch}, "entry_point": "lora_tma_guard = x" if entry else None,
-             "admitted_by_sglang_plugins": admitted, "wrapper_installs": installs}
+             "admitted_by_sglang_plugins": admitted, "wrapper_installs": installs,
+             "shared_expert_fix": {"hook": "ServerArgs.__post_init__", "lora_server_fusion_off": fix_takes,
+                                   "error": None if fix_takes else "no hook registry"}}
     found = {"environment": {"sglang": "0.5.16"}, "target": target, "guard": guard}
     if exposure is not None:
         found["exposure"] = exposure
@@ -21,9 +23,11 @@ def report(strategy="weight_tma", native=False, switch=True, entry=True, admitte
     return found
 
 
-def exposure(tma: bool):
-    return {"shape": {"architecture": "DeepseekV3ForCausalLM", "tp": 8, "ep": 1, "experts_per_rank": 257,
-                      "intermediate_per_shard": 256},
+def exposure(tma: bool, fuses: bool = True, turned_off_by: str | None = None):
+    """A deployment: whether SGLang fuses its shared expert, who turns that off, and TMA buckets."""
+    return {"shape": {"architecture": "DeepseekV3ForCausalLM", "tp": 8, "ep": 1,
+                      "experts_per_rank": 257 if fuses and not turned_off_by else 256, "intermediate_per_shard": 256},
+            "shared_expert": {"sglang_fuses": fuses, "turned_off_by": turned_off_by, "experts_per_rank_fused": 257},
             "device_name": "NVIDIA H200", "tma_anywhere": tma, "buckets": {"1": tma, "64": tma, "1024": tma}}
 
 
@@ -35,23 +39,39 @@ CASES = {
     "selftest-failed": (report(selftest={"passed": False}), "exposed", EXIT_EXPOSED, "self-test FAILED"),
     "absent": (report(strategy="absent"), "not-affected", EXIT_OK, "reason of absent"),
     "unsupported": (report(strategy="unsupported"), "exposed", EXIT_EXPOSED, "needs the upstream fix"),
-    "deployment-never-takes-tma": (report(switch=False, exposure=exposure(False)), "not-affected", EXIT_OK,
-                                   "never takes the TMA down path"),
-    "native-plain": (report(strategy="native", native=True), "not-affected", EXIT_OK, "turns TMA off"),
-    "native-speed-up-on": (report(native=True), "not-affected", EXIT_OK, "a speed-up"),
-    "native-speed-up-off": (report(native=True, switch=False), "not-affected", EXIT_OK, "not active"),
+    # The TMA bug, with the shared-expert fix on (or a model SGLang does not fuse).
+    "deployment-never-takes-tma": (report(switch=False, exposure=exposure(False, fuses=False)), "not-affected",
+                                   EXIT_OK, "never takes the TMA down path"),
+    "native-plain": (report(strategy="native", native=True), "protected", EXIT_OK, "turns TMA off"),
+    "native-speed-up-on": (report(native=True), "protected", EXIT_OK, "a speed-up"),
+    "native-model-not-fused": (report(native=True, switch=False, exposure=exposure(True, fuses=False)),
+                               "not-affected", EXIT_OK, "not active"),
     "switch-off": (report(switch=False), "exposed", EXIT_EXPOSED, "set SGLANG_LORA_TMA_GUARD=1"),
     "not-allow-listed": (report(admitted=False), "exposed", EXIT_EXPOSED, "add lora_tma_guard to SGLANG_PLUGINS"),
     "no-entry-point": (report(entry=False), "exposed", EXIT_EXPOSED, "reinstall"),
-    "wrapper-did-not-install": (report(installs=False), "exposed", EXIT_EXPOSED, "report this"),
+    "wrapper-did-not-install": (report(installs=False), "exposed", EXIT_EXPOSED, "wrapper did not install"),
     "protected-weight-tma": (report(), "protected", EXIT_OK, "TMA for the weights"),
     "protected-flag": (report(strategy="flag"), "protected", EXIT_OK, "with down_moe_use_tma=False"),
     "protected-fallback": (report(strategy="fallback"), "protected", EXIT_OK, "own route-major kernels"),
-    "protected-deployment": (report(exposure=exposure(True)), "protected", EXIT_OK,
+    "protected-deployment": (report(exposure=exposure(True, turned_off_by="guard")), "protected", EXIT_OK,
                              "takes the TMA down path at batch sizes 1-1024"),
-    "exposed-deployment": (report(switch=False, exposure=exposure(True)), "exposed", EXIT_EXPOSED,
+    "exposed-deployment": (report(switch=False, exposure=exposure(True, fuses=False)), "exposed", EXIT_EXPOSED,
                            "DeepseekV3ForCausalLM at tp 8"),
     "selftest-passed": (report(selftest={"passed": True}), "protected", EXIT_OK, "SGLang 0.5.16 is affected"),
+    # A fused shared expert under LoRA.
+    "fusing-model-guard-on": (report(native=True, exposure=exposure(False, turned_off_by="guard")), "protected",
+                              EXIT_OK, "LoRA servers run with shared-experts fusion off"),
+    "fusing-model-guard-off": (report(native=True, switch=False, exposure=exposure(False)), "exposed",
+                               EXIT_EXPOSED, "fuses this model's shared expert (E=257)"),
+    "fusing-model-user-disabled": (report(native=True, switch=False, exposure=exposure(False, turned_off_by="user")),
+                                   "not-affected", EXIT_OK, "--disable-shared-experts-fusion"),
+    "no-model-guard-off-fixed-release": (report(native=True, switch=False), "unknown", EXIT_UNKNOWN,
+                                         "give --model-path"),
+    "fix-does-not-take": (report(native=True, fix_takes=False), "unknown", EXIT_UNKNOWN, "no hook registry"),
+    "fix-does-not-take-fusing-model": (report(native=True, fix_takes=False, exposure=exposure(False)), "exposed",
+                                       EXIT_EXPOSED, "shared-expert fix did not take"),
+    "both-bugs-guard-off": (report(switch=False, exposure=exposure(True)), "exposed", EXIT_EXPOSED,
+                            "takes the TMA down path at batch sizes 1-1024"),
 }
 
 
@@ -61,3 +81,21 @@ def test_one_verdict_per_combination(case):
     result = verdict(found)
     assert (result["status"], result["exit_code"]) == (status, code), result
     assert phrase in result["message"], result["message"]
+
+
+def test_both_bugs_are_named_when_both_are_exposed():
+    message = verdict(CASES["both-bugs-guard-off"][0])["message"]
+    assert "TMA down path" in message and "fuses this model's shared expert" in message
+
+
+
+@pytest.mark.parametrize("buckets, text", [
+    ({"1": True, "2": True, "4": True, "8": False, "16": True}, "1-4, 16"),
+    ({"1": True, "64": False, "1024": True}, "1, 1024"),
+    ({"1": False, "2": True, "4": True}, "2, 4"),
+    ({"1": True, "2": True, "4": True}, "1-4"),
+])
+def test_tma_buckets_are_printed_as_the_runs_they_are(buckets, text):
+    from sglang_lora_tma_guard.check import _ranges
+
+    assert _ranges(buckets) == text
