@@ -30,9 +30,9 @@ fi
 
 # CUDA graphs stay on (SGLang's default): the corruption was reported under graph replay, and the
 # guard holds there because it decides before SGLang builds its buffers.
-# --disable-shared-experts-fusion: with the shared expert fused (E=257 at the runner, 256 experts in
-# the LoRA buffers) SGLang 0.5.16's LoRA kernels add an untrained delta to every token's shared-expert
-# route, read past each adapter's weights (README, "Two more things"). The guard cannot fix that.
+# No --disable-shared-experts-fusion needed: with LoRA on, the guard turns shared-experts fusion off in
+# the launcher (fused, every adapter request would read another adapter's weights for the shared
+# expert: README, "The second bug").
 cmd=(env SGLANG_LORA_TMA_GUARD=1 "${PYTHON:-python3}" -m sglang.launch_server
      --model-path "$model"
      --tp-size "${TP:-8}"
@@ -40,7 +40,6 @@ cmd=(env SGLANG_LORA_TMA_GUARD=1 "${PYTHON:-python3}" -m sglang.launch_server
      --lora-paths "${loras[@]}"
      --max-loras-per-batch "${MAX_LORAS_PER_BATCH:-4}"
      --moe-runner-backend triton
-     --disable-shared-experts-fusion
      --port "${PORT:-30000}"
      "${extra[@]}")
 

@@ -97,32 +97,38 @@ def test_a_batch_without_an_active_adapter_keeps_full_tma(case, sglang_plugins, 
     assert torch.equal(output, real_lora.run_runner(problem, hooks, use_tma=True))
 
 
-def test_fused_shared_expert_routes_read_lora_weights_out_of_range(lora_ops):
-    """SGLang 0.5.16, not the TMA bug: with a fused shared expert (DeepSeek/GLM style) the runner
-    counts one more expert (E=9 here, like 257) than the LoRA buffers hold (8, like 256). Every token
-    routes to the shared expert, and SGLang's LoRA kernels index the buffers with its id: they read
-    past that adapter's experts (into the next adapter's, or past the buffer for the last one) and add
-    a delta nobody trained. The guard does not change this; the README says so."""
+def test_fused_shared_expert_routes_read_lora_weights_out_of_range_and_the_unfused_layout_is_right(lora_ops):
+    """SGLang 0.5.16's own LoRA kernels, not the TMA bug. With a fused shared expert (DeepSeek/GLM
+    style) the runner counts one more expert (E=9 here, like 257) than the LoRA buffers hold (8, like
+    256). Every token routes to the shared expert, and SGLang's LoRA kernels index the buffers with
+    its id: they read past that adapter's experts (into the next adapter's, or past the buffer for the
+    last one) and add a delta nobody trained. With fusion off, which the guard makes every LoRA server
+    use, the runner sees the routed experts only and SGLang's LoRA adds what the adapters say."""
+    from dataclasses import replace
+
     experts = 8
-    problem = small_problem(experts=experts + 1, topk=3, seed=5)
-    problem.topk_ids[:, -1] = experts  # the fused shared expert's slot, as SGLang's top-k fills it
-    problem.topk_weights[:, -1] = 1.0
-    problem.__dict__.pop("alignment", None)
+    unfused = small_problem(experts=experts, topk=2, seed=5)  # what the guard makes SGLang build
+    shared = small_problem(experts=1, topk=1, seed=6)  # the shared expert's weights, fused as expert 8
+    tokens = unfused.topk_ids.shape[0]
+    fused = replace(
+        unfused, w1=torch.cat([unfused.w1, shared.w1]), w2=torch.cat([unfused.w2, shared.w2]),
+        w1_scale=torch.cat([unfused.w1_scale, shared.w1_scale]), w2_scale=torch.cat([unfused.w2_scale, shared.w2_scale]),
+        # SGLang's top-k writes the shared expert's id into one more column, with weight 1.
+        topk_ids=torch.cat([unfused.topk_ids, torch.full((tokens, 1), experts, dtype=unfused.topk_ids.dtype)], 1),
+        topk_weights=torch.cat([unfused.topk_weights, torch.ones(tokens, 1, dtype=unfused.topk_weights.dtype)], 1))
     # A third, disabled slot after the two adapters in use, as SGLang's pool has spare slots: the
     # reads past each adapter's experts then stay inside the buffer (past its end they read freed or
     # foreign memory: NaN on this CPU, an illegal address or garbage on a GPU).
     adapters = real_lora.Adapters(ranks=(8, 8, 8), enabled=(True, True, False), segments=(4, 3),
                                   segment_adapters=(0, 1), lora_experts=experts)
-    info = real_lora.make_lora_info(problem, adapters, seed=5)
-    output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=False)
-    correct = expected(problem, ReferenceLoRAHooks(info))  # no adapter delta on the shared expert
+    info = real_lora.make_lora_info(fused, adapters, seed=5)
+    output = real_lora.run_runner(fused, real_lora.lora_hooks(fused, info), use_tma=False)
+    correct = expected(fused, ReferenceLoRAHooks(info))  # no adapter delta on the shared expert
     assert tiny_moe.compare(output, correct).rows_wrong == 7, tiny_moe.compare(output, correct)
-    # With one zero expert appended to each buffer, SGLang computes the same as the reference.
-    pad = {name: torch.cat([w, torch.zeros_like(w[:, :1])], dim=1) for name, w in (
-        ("gate_up_lora_a_weights", info.gate_up_lora_a_weights), ("gate_up_lora_b_weights", info.gate_up_lora_b_weights),
-        ("down_lora_a_weights", info.down_lora_a_weights), ("down_lora_b_weights", info.down_lora_b_weights))}
-    from dataclasses import replace
 
-    padded = replace(info, **pad)
-    fixed = real_lora.run_runner(problem, real_lora.lora_hooks(problem, padded), use_tma=False)
-    assert rel_err(fixed, correct) < 1e-2, rel_err(fixed, correct)
+    # Fusion off: the same tokens, routed experts and adapters; the shared expert is a separate MLP.
+    info = replace(info, num_experts=experts)
+    output = real_lora.run_runner(unfused, real_lora.lora_hooks(unfused, info), use_tma=False)
+    with_lora, without = expected(unfused, ReferenceLoRAHooks(info)), expected(unfused, None)
+    assert rel_err(output, with_lora) < 1e-2, rel_err(output, with_lora)
+    assert rel_err(output, without) > 0.1
