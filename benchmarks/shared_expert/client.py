@@ -6,7 +6,8 @@
                                                and 32 concurrent requests mixing all four
     python client.py load PORT OUT.json NAME   decode throughput with LoRA: waves of 1, 16 and 64
                                                concurrent requests (adapters in turn), 128 new tokens
-                                               each, one warm-up wave then the median of 3 timed ones
+                                               each, one warm-up wave then 3 timed ones (all kept, and
+                                               their median)
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def load(port: int, new_tokens: int = 128) -> dict:
             started = time.perf_counter()
             generated = sum(len(out) for out in wave(port, jobs, new_tokens))
             rates.append(generated / (time.perf_counter() - started))
-        result[str(concurrency)] = round(statistics.median(rates), 1)
+        result[str(concurrency)] = {"median": round(statistics.median(rates), 1),
+                                    "waves": [round(r, 1) for r in sorted(rates)]}
     return {"decode_tokens_per_s": result, "new_tokens_per_request": new_tokens}
 
 

@@ -5,11 +5,12 @@
 # flags, the guard on and the guard off, one after the other on GPU 0. Each server answers the
 # correctness requests (client.py run) and then the decode-throughput waves (client.py load); then every
 # request is scored against transformers' fp32 model with the adapter merged (reference.py).
-#   bash benchmarks/shared_expert/run.sh glm|deepseek        results under ${OUT:-results}/
+#   bash benchmarks/shared_expert/run.sh glm|deepseek [load]   results under ${OUT:-results}/
+# With "load": throughput only, guard on, guard off, guard on again (the drift between servers).
 set -u
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 here=benchmarks/shared_expert
-arch=${1:-glm}
+arch=${1:-glm} mode=${2:-run}
 export OUT=${OUT:-results}; mkdir -p "$OUT"
 model=$E2E/se-$arch-model lora=$E2E/se-$arch-lora
 [ -f "$model/model.safetensors" ] || python3 $here/make_model.py "$arch" "$model" "$lora" || exit 4
@@ -29,7 +30,7 @@ serve() {  # NAME PORT GUARD_VALUE [EXTRA SERVER ARGS...]
   done
   if [ $ok = 1 ]; then
     echo "== $name: up after $((SECONDS - t0)) s"
-    python3 $here/client.py run "$port" "$OUT/run-$name.json" "$name"
+    [ "$mode" = load ] || python3 $here/client.py run "$port" "$OUT/run-$name.json" "$name"
     python3 $here/client.py load "$port" "$OUT/load-$name.json" "$name"
   else
     echo "== $name: server did not come up"; tail -20 "$log"
@@ -41,6 +42,11 @@ serve() {  # NAME PORT GUARD_VALUE [EXTRA SERVER ARGS...]
   sleep 3
 }
 
+if [ "$mode" = load ]; then
+  serve guard 31001 1; serve noguard 31002 0; serve guard-again 31003 1
+  for f in "$OUT"/load-$arch-*.json; do echo "$(basename "$f"): $(cat "$f")"; done
+  exit 0
+fi
 serve guard 31001 1
 serve noguard 31002 0
 runs=$(ls "$OUT"/run-$arch-*.json 2>/dev/null)
