@@ -56,8 +56,10 @@ class TestOnRealSGLang:
 
 @pytest.mark.parametrize(
     "version, shape, switch, code, status",
-    [("0.5.17", "0.5.17", "1", 0, "PROTECTED"), ("0.5.23", "0.5.23", "1", 0, "PROTECTED"),
-     ("0.5.16.dev3+renamed", None, "1", 0, "PROTECTED"), ("0.5.11", "0.5.11", "1", 0, "PROTECTED"),
+    [pytest.param("0.5.17", "0.5.17", "1", 0, "PROTECTED", marks=pytest.mark.slow),
+     ("0.5.23", "0.5.23", "1", 0, "PROTECTED"),
+     pytest.param("0.5.16.dev3+renamed", None, "1", 0, "PROTECTED", marks=pytest.mark.slow),
+     pytest.param("0.5.11", "0.5.11", "1", 0, "PROTECTED", marks=pytest.mark.slow),
      # Without the guard a fixed release still serves LoRA wrongly on a fused shared expert.
      ("0.5.23", "0.5.23", "0", 2, "UNKNOWN")],
 )
@@ -67,6 +69,7 @@ def test_verdict_per_release_shape(tmp_path, version, shape, switch, code, statu
     assert (returncode, out.splitlines()[-1].split(":")[0]) == (code, status)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_sglang_before_0_5_11_is_not_affected(tmp_path):
     code, out, _ = run_check(tree=write_tree(tmp_path, "0.5.10.post1", "0.5.16", with_function=False))
     assert code == 0 and "SGLang before 0.5.11" in out.splitlines()[-1]
@@ -79,6 +82,7 @@ def test_sglang_missing_exits_2_without_a_traceback(tmp_path):
     assert "Traceback" not in out + err
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_sglang_that_cannot_be_imported_exits_2_with_the_reason(tmp_path):
     tree = write_tree(tmp_path, "0.5.16")
     (tree / "sglang/srt/layers/moe/moe_runner/triton_utils/fused_moe.py").write_text(

@@ -50,7 +50,8 @@ result = dict(registered=len(HookRegistry._hooks.get(target, [])), returned=retu
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("with_scheduler", [True, False], ids=["scheduler-process", "other-process"])
+@pytest.mark.parametrize("with_scheduler", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["scheduler-process", "other-process"])
 def test_a_scheduler_process_announces_the_guard_after_its_logging_is_set_up(with_scheduler):
     result = scenario.run(f"WITH_SCHEDULER = {with_scheduler}\n" + SCHEDULER, None,
                           {"SGLANG_LORA_TMA_GUARD": "1", "TRITON_INTERPRET": "1"}, timeout=300)
