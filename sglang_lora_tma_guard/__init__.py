@@ -23,7 +23,7 @@ From Python::
 from .guard import GuardStatus, activate, deactivate, status
 from .inspection import Inspection, Strategy, inspect_target
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "GuardStatus",

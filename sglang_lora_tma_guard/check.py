@@ -449,7 +449,7 @@ def render(report: dict) -> str:
 
 def _render_fusion_fix(fix: dict) -> str:
     if fix.get("lora_server_fusion_off"):
-        return f"takes: a LoRA server's arguments come out with fusion off (hook on {fix['hook']})"
+        return f"works here: a LoRA server's arguments come out with fusion off (hook on {fix['hook']})"
     return f"does not take on this SGLang: {fix.get('error')}"
 
 

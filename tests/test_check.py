@@ -27,7 +27,7 @@ class TestOnRealSGLang:
         code, out, _ = run_check(env={"SGLANG_LORA_TMA_GUARD": "1"})
         assert code == 0 and out.splitlines()[-1].startswith("PROTECTED: SGLang 0.5.16 is affected")
         assert "wrapper installs  yes" in out
-        assert "shared-expert fix takes: a LoRA server's arguments come out with fusion off (hook on " \
+        assert "shared-expert fix works here: a LoRA server's arguments come out with fusion off (hook on " \
                "ServerArgs.__post_init__)" in out
 
     @pytest.mark.slow  # a fresh interpreter importing SGLang each
