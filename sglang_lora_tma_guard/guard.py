@@ -43,25 +43,49 @@ from .inspection import (
 
 logger = logging.getLogger("sglang_lora_tma_guard")
 
-_MARKER = "__lora_tma_guard__"
-"""Set on the installed wrapper; holds the :class:`Inspection` it was built from."""
+class Engaged:
+    """A wrapper's on/off switch. Off, it passes every call through untouched: where other code
+    wraps the guard's wrapper, the wrapper cannot leave the call chain, so ``deactivate()`` turns
+    it off instead."""
+
+    __slots__ = ("on",)
+
+    def __init__(self, on: bool = True):
+        self.on = on
+
+
+@dataclass
+class _State:
+    """Everything the guard holds in a process; read and written under ``_lock``."""
+
+    wanted: bool = False
+    """``activate()`` was called and not undone."""
+    weight_tma: bool = True
+    """False: the plain fix only (``SGLANG_LORA_TMA_GUARD=plain``)."""
+    watching: bool = False
+    """The post-import hook on SGLang's fused-MoE module is registered."""
+    wrapper: object = None
+    """The wrapper this guard placed, recognised by identity (the handle for ``unwrap_object``)."""
+    engaged: Engaged | None = None
+    inspection: Inspection | None = None
+
 
 _lock = threading.RLock()
-_wanted = False
-_weight_tma = True  # False: the plain fix only (SGLANG_LORA_TMA_GUARD=plain)
-_import_hook_registered = False
-_installed = None  # the wrapper object in place, the handle for unwrap_object
-_inspection: Inspection | None = None
+# Kept across importlib.reload of this module, so that a reloaded guard still knows its wrapper.
+_state: _State = globals().get("_state") or _State()
 
 
 @dataclass(frozen=True)
 class GuardStatus:
     active: bool
-    """``activate()`` was called and not undone."""
+    """``activate()`` was called and not undone, and the guard does its work (or has none to do)."""
     installed: bool
-    """The wrapper is in place on the module attribute now."""
+    """The guard's wrapper is in the call chain of the module attribute now (outermost or not)."""
+    inert: bool
+    """Installed but switched off: it passes every call through untouched (``deactivate()`` under
+    other code's wrapper)."""
     target_imported: bool
-    strategy: str | None
+    strategy: Strategy | None
     reason: str | None
     sglang_version: str | None
     target: str = TARGET
@@ -91,19 +115,27 @@ def _hooks_of(args, kwargs, hooks_at):
     return kwargs.get("hooks")
 
 
-def make_guarded(original, inspection: Inspection):
-    """Build the replacement for ``original`` from its inspection (WEIGHT_TMA, FLAG or FALLBACK)."""
+def make_guarded(original, inspection: Inspection, variant=None, engaged: Engaged | None = None):
+    """Build the replacement for ``original`` from its inspection (WEIGHT_TMA, FLAG or FALLBACK).
+
+    ``variant``: the weight-TMA copy of ``original`` (built here when the strategy asks for it and
+    none is given); ``engaged``: the wrapper's on/off switch (always on when not given).
+    """
+    engaged = engaged or Engaged()
     if inspection.strategy is Strategy.FALLBACK:
-        return _make_fallback_guarded(original, inspection)
+        return _make_fallback_guarded(original, inspection, engaged)
     flag_at = inspection.flag_index
     hooks_at = inspection.hooks_index
-    # Built once, here: a copy of SGLang's own function whose two GEMM launches take the weights
-    # by TMA; it is given only hooked calls that asked for TMA on block-fp8 weights (the path the
-    # variant was verified on), and always with down_moe_use_tma=False.
-    variant = weight_tma.build(original) if inspection.strategy is Strategy.WEIGHT_TMA else None
+    # A copy of SGLang's own function whose two GEMM launches take the weights by TMA; it is given
+    # only hooked calls that asked for TMA on block-fp8 weights (the path the variant was verified
+    # on), and always with down_moe_use_tma=False.
+    if variant is None and inspection.strategy is Strategy.WEIGHT_TMA:
+        variant = weight_tma.build(original)
 
     @functools.wraps(original)
     def _fused_moe_kernel_sequence(*args, **kwargs):
+        if not engaged.on:
+            return original(*args, **kwargs)
         hooks = _hooks_of(args, kwargs, hooks_at)
         if hooks is None or not hooks_touch_buffers(hooks):
             return original(*args, **kwargs)
@@ -120,11 +152,10 @@ def make_guarded(original, inspection: Inspection):
             return variant(*args, **kwargs)
         return original(*args, **kwargs)
 
-    setattr(_fused_moe_kernel_sequence, _MARKER, inspection)
     return _fused_moe_kernel_sequence
 
 
-def _make_fallback_guarded(original, inspection: Inspection):
+def _make_fallback_guarded(original, inspection: Inspection, engaged: Engaged):
     """Hooked calls go to the route-major fallback, their arguments bound by name; others to SGLang."""
     from . import fallback  # Triton is imported only where this strategy applies
 
@@ -134,7 +165,7 @@ def _make_fallback_guarded(original, inspection: Inspection):
     @functools.wraps(original)
     def _fused_moe_kernel_sequence(*args, **kwargs):
         hooks = _hooks_of(args, kwargs, hooks_at)
-        if hooks is None or not hooks_touch_buffers(hooks):
+        if not engaged.on or hooks is None or not hooks_touch_buffers(hooks):
             return original(*args, **kwargs)
         try:
             bound = signature.bind(*args, **kwargs)
@@ -154,76 +185,115 @@ def _make_fallback_guarded(original, inspection: Inspection):
             )
         return fallback.fused_moe_hooked(bound.arguments)
 
-    setattr(_fused_moe_kernel_sequence, _MARKER, inspection)
     return _fused_moe_kernel_sequence
 
 
-def is_guarded(func) -> bool:
-    return getattr(func, _MARKER, None) is not None
+def _in_call_chain(func) -> bool:
+    """Is this guard's wrapper ``func``, or wrapped by it at any depth (wrapt or ``__wrapped__``)?"""
+    if _state.wrapper is None or func is None:
+        return False
+    try:
+        return wrapt.find_wrapper(func, _state.wrapper) is not None
+    except Exception:  # a chain too deep to scan: say what is certain
+        return func is _state.wrapper
 
 
 def activate(weight_tma: bool = True) -> GuardStatus:
-    """Guard ``_fused_moe_kernel_sequence`` now, or as soon as its module is imported.
+    """Guard ``_fused_moe_kernel_sequence`` now, or as soon as its module is imported. Never raises.
 
     ``weight_tma=False`` keeps the plain fix (hooked calls run with ``down_moe_use_tma=False``)
     even where the weight-TMA variant could be built. Idempotent: a second call with the same
     choice (a second ``load_plugins()``, another thread) installs nothing twice; another choice
-    replaces the installed wrapper.
+    replaces the installed wrapper where it is outermost. A wrapper left inert by ``deactivate()``
+    under other code's wrapper is turned back on.
     """
-    global _wanted, _import_hook_registered, _weight_tma
     with _lock:
-        changed = _weight_tma != weight_tma
-        _wanted, _weight_tma = True, weight_tma
-        register, _import_hook_registered = not _import_hook_registered, True
-    if register:
+        changed = _state.weight_tma != weight_tma
+        _state.wanted, _state.weight_tma = True, weight_tma
+        watch, _state.watching = not _state.watching, True
+    if watch:
         # Outside our lock: wrapt runs the hook at once when the module is already imported, and
         # an import finishing in another thread runs it too; neither may wait on us while we
         # wait on wrapt.
         wrapt.register_post_import_hook(_on_target_import, TARGET_MODULE)
     with _lock:
         module = _imported_target()
-        if module is not None and _installed is not None and changed:
-            _uninstall(module)
-        if module is not None and _installed is None:
+        if module is None:
+            return status()
+        current = getattr(module, TARGET_NAME, None)
+        if _state.wrapper is not None and not _in_call_chain(current):
+            _forget()  # other code replaced the function wholesale: ours is gone
+        if _state.wrapper is not None and changed:
+            if current is _state.wrapper:
+                _remove(module)
+            else:
+                logger.warning(
+                    "sglang-lora-tma-guard: %s is wrapped by other code above the guard; keeping "
+                    "strategy %s instead of switching to the %s", TARGET, _state.inspection.strategy.name,
+                    "weight-TMA fix" if weight_tma else "plain fix")
+        if _state.wrapper is None:
             _install(module)
+        if _state.engaged is not None:
+            _state.engaged.on = True
         return status()
 
 
 def deactivate() -> GuardStatus:
-    """Put the original function object back and stop guarding later imports."""
-    global _wanted
+    """Put the original function object back and stop guarding later imports. Never raises.
+
+    Where other code has wrapped the guard's wrapper since (a ``functools.wraps`` closure set on
+    the module, an ``AROUND`` hook of SGLang's registry), the wrapper cannot leave the call chain:
+    it stays there inert, passing every call through untouched, until ``activate()``.
+    """
     with _lock:
-        _wanted = False
-        _uninstall(sys.modules.get(TARGET_MODULE))
+        _state.wanted = False
+        module = sys.modules.get(TARGET_MODULE)
+        if module is not None and _state.wrapper is not None:
+            _remove(module)
         return status()
 
 
-def _uninstall(module) -> None:
-    global _installed
-    if _installed is not None and module is not None:
-        removed = wrapt.unwrap_object(module, TARGET_NAME, _installed, missing_ok=True)
-        if removed is None:
-            logger.warning(
-                "sglang-lora-tma-guard: %s was replaced by other code after the guard was "
-                "installed; left as it is",
-                TARGET,
-            )
-        else:
-            logger.info("sglang-lora-tma-guard: removed from %s", TARGET)
-    _installed = None
+def _remove(module) -> None:
+    """Take this guard's wrapper out of the call chain, or turn it off where it cannot leave."""
+    try:
+        removed = wrapt.unwrap_object(module, TARGET_NAME, _state.wrapper, missing_ok=True)
+    except Exception:  # WrapperNotOutermostError and kin: something sits above us
+        removed = None
+    if _in_call_chain(getattr(module, TARGET_NAME, None)):
+        _state.engaged.on = False
+        logger.warning(
+            "sglang-lora-tma-guard: %s is wrapped by other code above the guard, so the guard cannot "
+            "leave the call chain; it stays there inert, passing every call through untouched", TARGET)
+        return
+    if removed is None:
+        logger.warning("sglang-lora-tma-guard: %s was replaced by other code after the guard was "
+                       "installed; left as it is", TARGET)
+    else:
+        logger.info("sglang-lora-tma-guard: removed from %s", TARGET)
+    _forget()
+
+
+def _forget() -> None:
+    _state.wrapper = _state.engaged = _state.inspection = None
 
 
 def status() -> GuardStatus:
-    module = sys.modules.get(TARGET_MODULE)
-    current = getattr(module, TARGET_NAME, None) if module is not None else None
-    return GuardStatus(
-        active=_wanted,
-        installed=is_guarded(current),
-        target_imported=module is not None,
-        strategy=_inspection.strategy.value if _inspection else None,
-        reason=_inspection.reason if _inspection else None,
-        sglang_version=sglang_version(),
-    )
+    """What the guard does in this process now, read from the module and the wrapper themselves."""
+    with _lock:
+        module = sys.modules.get(TARGET_MODULE)
+        current = getattr(module, TARGET_NAME, None) if module is not None else None
+        in_chain = _in_call_chain(current)
+        engaged = in_chain and _state.engaged is not None and _state.engaged.on
+        inspection = _state.inspection
+        return GuardStatus(
+            active=_state.wanted and (engaged or inspection is None or not inspection.strategy.installs_wrapper),
+            installed=in_chain,
+            inert=in_chain and not engaged,
+            target_imported=module is not None,
+            strategy=inspection.strategy if inspection else None,
+            reason=inspection.reason if inspection else None,
+            sglang_version=sglang_version(),
+        )
 
 
 def _imported_target():
@@ -239,7 +309,7 @@ def _on_target_import(module) -> None:
     # import and with it the server, so every failure is logged and the module left as it is.
     try:
         with _lock:
-            if _wanted and _installed is None:
+            if _state.wanted and _state.wrapper is None:
                 _install(module)
     except Exception:
         logger.exception(
@@ -250,35 +320,33 @@ def _on_target_import(module) -> None:
 
 
 def _install(module) -> None:
-    global _installed, _inspection
+    """Inspect the installed function, build the weight-TMA copy where asked, then wrap it once."""
     current = getattr(module, TARGET_NAME, None)
-    if is_guarded(current):
-        # Another copy of this package's state (a reload) put it there; adopt it.
-        _installed, _inspection = current, getattr(current, _MARKER)
-        return
-    inspection = inspect_target(current, weight_tma=_weight_tma)
+    inspection = inspect_target(current, weight_tma=_state.weight_tma)
     version = sglang_version()
     note = version_note(version)
     if note:
         logger.info("sglang-lora-tma-guard: %s", note)
+    variant = None
     if inspection.strategy is Strategy.WEIGHT_TMA:
         try:
-            _installed = wrapt.wrap_object(module, TARGET_NAME, make_guarded, (inspection,))
-        except Exception as exc:  # the variant did not build: the plain fix is always possible
+            variant = weight_tma.build(current)
+        except Exception as exc:  # the copy did not build: the plain fix is always possible
             logger.warning(
                 "sglang-lora-tma-guard: the weight-TMA variant of %s did not build (%s: %s); "
                 "using the plain fix", TARGET, type(exc).__name__, exc,
             )
             inspection = inspect_target(current, weight_tma=False)
-    _inspection = inspection
+    _state.inspection = inspection
     if inspection.strategy.installs_wrapper:
-        if _installed is None:
-            _installed = wrapt.wrap_object(module, TARGET_NAME, make_guarded, (inspection,))
+        engaged = Engaged()
+        _state.wrapper = wrapt.wrap_object(module, TARGET_NAME, make_guarded, (inspection, variant, engaged))
+        _state.engaged = engaged
         logger.info(
             "sglang-lora-tma-guard: SGLang %s, strategy %s: %s in %s",
             version, inspection.strategy.name, inspection.reason, TARGET,
         )
-        if inspection.strategy is Strategy.FLAG and inspection.weight_tma_unavailable and _weight_tma:
+        if inspection.strategy is Strategy.FLAG and inspection.weight_tma_unavailable and _state.weight_tma:
             logger.info("sglang-lora-tma-guard: no weight TMA for hooked calls: %s",
                         inspection.weight_tma_unavailable)
     elif inspection.strategy is Strategy.UNSUPPORTED:

@@ -32,8 +32,8 @@ FIRST_FIXED = (0, 5, 17)
 NEWEST_CHECKED = (0, 5, 23)
 
 
-class Strategy(enum.Enum):
-    """How the installed ``_fused_moe_kernel_sequence`` is guarded."""
+class Strategy(str, enum.Enum):
+    """How the installed ``_fused_moe_kernel_sequence`` is guarded (a ``str``: it equals its value)."""
 
     WEIGHT_TMA = "weight_tma"
     """Hooked calls that asked for TMA run with route-major buffers and TMA for the weights

@@ -53,7 +53,7 @@ def announce(result=None, *args, **kwargs):
     state = guard.status()
     if state.installed or state.strategy is not None:
         logger.info("sglang-lora-tma-guard: active in this process: SGLang %s, strategy %s: %s",
-                    state.sglang_version, (state.strategy or "").upper(), state.reason)
+                    state.sglang_version, state.strategy.name if state.strategy else "", state.reason)
     else:
         logger.info("sglang-lora-tma-guard: armed in this process (SGLang %s); it installs when SGLang "
                     "imports its fused-MoE module", state.sglang_version)

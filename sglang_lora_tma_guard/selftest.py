@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import time
 
+from .inspection import Strategy
+
 TOKENS = (3, 17)
 """Two batch sizes: a ragged one and one whose routes span several kernel blocks."""
 
@@ -39,7 +41,7 @@ def run(device: str) -> dict:
     started = time.perf_counter()
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 is off
     was_active = guard.status().active
-    cases = []
+    cases, strategy = [], None
     try:
         for tokens in TOKENS:
             problem = tiny_moe.make_problem(num_tokens=tokens, num_experts=4, topk=2, seed=tokens,
@@ -49,7 +51,8 @@ def run(device: str) -> dict:
             reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks)
             unguarded = tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks)
             hookless_off = tiny_moe.run_sequence(problem, use_tma=True, hooks=None)
-            installed = guard.activate().installed
+            state = guard.activate()
+            installed, strategy = state.installed, state.strategy
             with tiny_moe.launch_recorder() as launches:
                 guarded = tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks)
             hookless_on = tiny_moe.run_sequence(problem, use_tma=True, hooks=None)
@@ -70,14 +73,13 @@ def run(device: str) -> dict:
             })
     finally:
         guard.activate() if was_active else guard.deactivate()
-    strategy = guard.status().strategy
     exposed = any(c["rows_wrong_without_guard"] for c in cases)
     passed = all(c["hookless_untouched"] for c in cases) and (
-        all(c["identical_with_guard"] for c in cases) if strategy in ("flag", "weight_tma")
-        else all(c["within_tolerance_with_guard"] for c in cases) if strategy == "fallback"
+        all(c["identical_with_guard"] for c in cases) if strategy in (Strategy.FLAG, Strategy.WEIGHT_TMA)
+        else all(c["within_tolerance_with_guard"] for c in cases) if strategy is Strategy.FALLBACK
         else not exposed  # nothing installed: SGLang has to get it right by itself
     )
-    if strategy == "weight_tma":  # the speed-up must really be taken, and A must stay route-major
+    if strategy is Strategy.WEIGHT_TMA:  # the speed-up must really be taken, and A must stay route-major
         passed = passed and all(c["guarded_launches"] == [tiny_moe.WEIGHT_TMA_LAUNCH] * 2 for c in cases)
     return {
         "device": device,

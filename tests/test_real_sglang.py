@@ -193,3 +193,71 @@ def test_hooks_with_extra_attributes_are_guarded_like_sglangs_own(sglang_plugins
     extra = SimpleNamespace(after_gate_up=real.after_gate_up, after_down=real.after_down, lora_ids=[0, 1])
     sglang_plugins()
     assert torch.equal(tiny_moe.run_sequence(problem, use_tma=True, hooks=extra), references[5])
+
+
+# --- turning the guard off when other code wraps it ------------------------------------------------
+
+
+def wrap_with_a_closure(module):
+    """The usual monkeypatch: a functools.wraps closure set on the module above the guard."""
+    import functools
+
+    inner = getattr(module, TARGET_NAME)
+
+    @functools.wraps(inner)
+    def traced(*args, **kwargs):
+        return inner(*args, **kwargs)
+
+    setattr(module, TARGET_NAME, traced)
+
+
+def wrap_with_sglangs_registry(module):
+    """Another plugin's AROUND hook, applied by SGLang's own HookRegistry."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{module.__name__}.{TARGET_NAME}", lambda original, *a, **k: original(*a, **k),
+                          HookType.AROUND)
+    HookRegistry.apply_hooks()
+
+
+@pytest.fixture
+def restore_target(fm):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    original = getattr(fm, TARGET_NAME)
+    yield
+    target = f"{fm.__name__}.{TARGET_NAME}"
+    HookRegistry._hooks.pop(target, None)
+    HookRegistry._patched.discard(target)
+    setattr(fm, TARGET_NAME, original)
+    guard.deactivate()  # the guard's wrapper is gone with the outer one: it forgets it
+
+
+@pytest.mark.parametrize("outer", [wrap_with_a_closure, wrap_with_sglangs_registry], ids=["closure", "hook-registry"])
+def test_under_another_wrapper_deactivate_leaves_the_guard_inert_and_activate_revives_it(
+        fm, sglang_plugins, launches, restore_target, problems, references, outer):
+    problem, hooks = problems[5], tiny_moe.lora_hooks(problems[5])
+    assert sglang_plugins().installed
+    outer(fm)
+    state = guard.deactivate()  # never raises
+    assert (state.active, state.installed, state.inert) == (False, True, True)
+    unguarded = tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks)
+    assert launches == tiny_moe.FULL_TMA_LAUNCHES  # passed through untouched, as without the guard
+    assert tiny_moe.compare(unguarded, references[5]).rows_wrong == 5
+    launches.clear()
+    state = guard.activate(weight_tma=False)  # never raises; keeps what it can keep
+    assert (state.active, state.installed, state.inert, state.strategy) == (True, True, False, "weight_tma")
+    guarded = tiny_moe.run_sequence(problem, use_tma=True, hooks=hooks)
+    assert launches == [tiny_moe.WEIGHT_TMA_LAUNCH] * 2
+    assert torch.equal(guarded, references[5])
+
+
+def test_deactivate_logs_once_why_the_guard_stays_in_the_chain(fm, sglang_plugins, restore_target, caplog):
+    import logging
+
+    sglang_plugins()
+    wrap_with_a_closure(fm)
+    with caplog.at_level(logging.WARNING, "sglang_lora_tma_guard"):
+        guard.deactivate()
+    [line] = caplog.messages
+    assert "wrapped by other code above the guard" in line and "inert" in line

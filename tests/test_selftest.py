@@ -19,12 +19,11 @@ def test_selftest_passes_and_shows_the_exposure(fm):
 
 
 def test_selftest_fails_when_the_wrapper_does_nothing(fm, monkeypatch):
-    def do_nothing(original, inspection):
+    def do_nothing(original, inspection, variant=None, engaged=None):
         @functools.wraps(original)
         def passthrough(*args, **kwargs):
             return original(*args, **kwargs)
 
-        setattr(passthrough, guard._MARKER, inspection)
         return passthrough
 
     monkeypatch.setattr(guard, "make_guarded", do_nothing)
