@@ -1,4 +1,4 @@
-"""Keep SGLang's LoRA hooks off the TMA down path of its fused-MoE kernels.
+"""Stop LoRA adapters on SGLang's Mixture-of-Experts models from being served wrong, silently.
 
 Usage::
 
@@ -7,17 +7,20 @@ Usage::
     python -m sglang.launch_server --model-path ... --enable-lora --lora-paths ...
     python -m sglang_lora_tma_guard.check
 
-SGLang loads the guard itself, in every process, through its ``sglang.srt.plugins`` entry point.
-On SGLang 0.5.11-0.5.16 it wraps ``_fused_moe_kernel_sequence`` so that a call carrying LoRA hooks
-runs with ``down_moe_use_tma=False``, as SGLang 0.5.17 does on its own; calls without hooks and
-every other SGLang version are left untouched.
+SGLang loads the plugin itself, in every process, through its ``sglang.srt.plugins`` entry point.
+It guards two bugs of SGLang 0.5.11-0.5.23. The TMA down path
+(:mod:`~sglang_lora_tma_guard.guard`): a call of ``_fused_moe_kernel_sequence`` carrying LoRA hooks
+runs with route-major buffers and TMA for the weights only (``=plain``: TMA off, SGLang 0.5.17's own
+fix); calls without hooks are left untouched. A fused shared expert
+(:mod:`~sglang_lora_tma_guard.fusion`): a server that serves LoRA runs with shared-experts fusion
+off, or its schedulers refuse to start.
 
 From Python::
 
     import sglang_lora_tma_guard as guard
     guard.activate()     # now, or as soon as SGLang's fused-MoE module is imported
-    guard.status()       # GuardStatus(active=True, installed=True, strategy='flag', ...)
-    guard.deactivate()   # the original function object is back
+    guard.status()       # GuardStatus(active=True, installed=True, inert=False, strategy=<Strategy.WEIGHT_TMA...>, ...)
+    guard.deactivate()   # the original function object is back (or, under another wrapper, the guard inert)
 """
 
 from .guard import GuardStatus, activate, deactivate, status

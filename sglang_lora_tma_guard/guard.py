@@ -4,8 +4,10 @@ Why it exists: when a tuned down-projection config says ``USE_TMA``, SGLang 0.5.
 intermediate MoE buffers out expert-sorted and block-padded, while the LoRA hooks
 (``hooks.after_gate_up``, ``hooks.after_down``) read and write them as route-major
 ``(num_tokens, topk, N)``. The hooks then touch the wrong rows. ``down_moe_use_tma`` decides that
-layout at the top of the function, so calling it with the flag False is the whole fix, the same
-one SGLang 0.5.17 applies inside the function.
+layout at the top of the function, so calling it with the flag False fixes it, as SGLang 0.5.17
+does inside the function (strategy FLAG, ``SGLANG_LORA_TMA_GUARD=plain``). The default, strategy
+WEIGHT_TMA, keeps the route-major buffers and gives both GEMMs their weights by TMA
+(:mod:`sglang_lora_tma_guard.weight_tma`): bit-identical, and faster, on 0.5.11-0.5.23.
 
 What it does not do: calls without hooks keep TMA, and nothing else about a call changes.
 
