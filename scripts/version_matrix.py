@@ -126,9 +126,10 @@ def fusion_row(result: dict) -> str:
         return f"| {result['version']} | error | | | | |"
     yes = {True: "fusion off", False: "untouched"}
     early = result["resolved_before_plugins"]["child"]
+    warned = " (warned)" if any("WILL BE WRONG" in line for line in result["warnings"]) else " (SILENT)"
     return (f"| {result['version']} | {result['hooked']} | {yes[result['lora_paths']]} / "
             f"{yes[result['enable_lora']]} | {yes[result['no_lora']]} / {yes[result['enable_lora_false_with_paths']]} | "
-            f"{yes[result['lora_forced_fusion']]} (warned) | {yes[early]} |")
+            f"{yes[result['lora_forced_fusion']]}{warned} | {yes[early]} |")
 
 
 def fusion_markdown(results: list[dict]) -> str:
