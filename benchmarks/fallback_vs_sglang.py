@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from h200_proof import SHAPES, benchmark_parser, capture, load_sglang, lookup_configs, replay_ms, results_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

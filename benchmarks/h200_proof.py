@@ -215,7 +215,8 @@ def markdown(rows, meta) -> str:
         "against SGLang's non-TMA hooked path.",
         "",
         "| shape | tokens | TMA config | rows wrong, unguarded (eager / graph) | guarded vs non-TMA (eager / graph) "
-        "| no hooks, TMA | no hooks, plain | hooked, guarded | hooked, TMA (wrong) | guarded / TMA | host µs/call hook-less (off → on) |",
+        "| no hooks, TMA | no hooks, plain | hooked, guarded | hooked, TMA (wrong) | guarded / TMA "
+        "| host µs/call hook-less (off → on) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -28,7 +28,6 @@ import sys
 import time
 
 import torch
-
 from h200_proof import SHAPES, benchmark_parser, capture, load_sglang, lookup_configs, results_dir
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]

@@ -16,7 +16,6 @@ import json
 import sys
 
 import torch
-
 from h200_proof import SHAPES, capture, load_sglang, lookup_configs, replay_ms
 
 TOKENS = [1, 8, 32, 64, 256, 1024, 4096, 8192]
@@ -56,7 +55,7 @@ def main(argv=None) -> int:
             for which in ("up", "down"):
                 try:
                     ms = time_with(**{which: variant})
-                except Exception as exc:  # out of shared memory and the like
+                except Exception:  # out of shared memory and the like
                     ms = float("inf")
                 results.append((which, variant, None, ms))
         results.sort(key=lambda r: r[-1])

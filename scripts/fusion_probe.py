@@ -7,7 +7,8 @@ resolved as the launcher does (``model_path="dummy"``: no model, no GPU) for eac
 LoRA, and sent to a spawned child process (how SGLang hands them to its schedulers), which reports
 ``disable_shared_experts_fusion`` as it received it. A record built *before*
 ``load_plugins()`` (``sglang.Engine(server_args=...)``) goes through what the launcher does with it
-before it starts the schedulers: ``resolve_once()`` (0.5.19+) and ``check_server_args()``. Used by ``scripts/version_matrix.py``.
+before it starts the schedulers: ``resolve_once()`` (0.5.19+) and ``check_server_args()``.
+Used by ``scripts/version_matrix.py``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def child_reads(records):
 
 
 def _flags(records):
-    return [getattr(r, "disable_shared_experts_fusion") for r in records]
+    return [r.disable_shared_experts_fusion for r in records]
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ def ensure_server_args() -> None:
     get_exec = getattr(module, "get_exec", None)
     if get_exec is not None:
         try:
-            get_exec().moe
+            get_exec().moe  # noqa: B018 (raises where no server published its settings)
         except Exception:  # not published: no server in this process
             module.get_exec = lambda: SimpleNamespace(moe=settings)
         return

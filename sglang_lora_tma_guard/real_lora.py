@@ -71,8 +71,9 @@ class Adapters:
     scale: float = 0.3
 
 
-def make_lora_info(problem: MoEProblem, adapters: Adapters = Adapters(), *, seed: int = 0, cg_buffers=None):
+def make_lora_info(problem: MoEProblem, adapters: Adapters | None = None, *, seed: int = 0, cg_buffers=None):
     """SGLang's ``LoRAInfo`` for ``problem``, with random adapter weights, as its LoRA manager lays it out."""
+    adapters = adapters or Adapters()
     from sglang.srt.lora.lora_moe_runners import LoRAInfo
 
     tokens = problem.hidden_states.shape[0]

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .installed import ensure_server_args, fused_moe_module
 from .inspection import TARGET_NAME
+from .installed import ensure_server_args, fused_moe_module
 
 FP8_BLOCK = (128, 128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

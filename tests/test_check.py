@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from fake_sglang import write_tree
 from scenario import run_check
 

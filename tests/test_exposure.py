@@ -127,7 +127,8 @@ def test_parallel_layout_changes_the_shape_and_the_answer(model, capsys, args, E
     shape = report["exposure"]["shape"]
     assert (shape["experts_per_rank"], shape["intermediate_per_shard"]) == (E, N)
     assert report["exposure"]["tma_anywhere"] is exposed
-    assert {int(m): v for m, v in report["exposure"]["buckets"].items()} == sglang_down_tma(E, N, "fp8_w8a8", (128, 128), "NVIDIA H200")
+    expected = sglang_down_tma(E, N, "fp8_w8a8", (128, 128), "NVIDIA H200")
+    assert {int(m): v for m, v in report["exposure"]["buckets"].items()} == expected
 
 
 @pytest.mark.real

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from reference import interpreter_fp8, reference_moe
+
 from sglang_lora_tma_guard import fallback, tiny_moe
 
 pytestmark = pytest.mark.real

@@ -1,8 +1,8 @@
 """Strategy per release shape, decided from the function itself."""
 
 import pytest
-
 from fake_sglang import RELEASES, load_function, write_tree
+
 from sglang_lora_tma_guard.inspection import (
     Strategy,
     has_native_guard,

@@ -1,7 +1,6 @@
 """Install, removal and idempotence, each in a fresh interpreter over a fake SGLang tree."""
 
 import pytest
-
 import scenario
 from fake_sglang import write_tree
 

@@ -1,9 +1,9 @@
 """The entry point and its environment switch."""
 
 import pytest
-
 import scenario
 from fake_sglang import write_tree
+
 from sglang_lora_tma_guard.settings import read_switch
 
 

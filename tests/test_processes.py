@@ -2,9 +2,8 @@
 
 import multiprocessing
 
-import pytest
-
 import child
+import pytest
 import scenario
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]  # fresh interpreters importing SGLang

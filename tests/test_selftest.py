@@ -4,7 +4,7 @@ import functools
 
 import pytest
 
-from sglang_lora_tma_guard import guard, tiny_moe, selftest
+from sglang_lora_tma_guard import guard, selftest, tiny_moe
 
 pytestmark = pytest.mark.real
 

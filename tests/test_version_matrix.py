@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import version_matrix  # noqa: E402
+
 from sglang_lora_tma_guard.inspection import release_tuple  # noqa: E402
 from sglang_lora_tma_guard.tiny_moe import WEIGHT_TMA_LAUNCH  # noqa: E402
 

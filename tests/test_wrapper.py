@@ -3,8 +3,8 @@
 from types import SimpleNamespace
 
 import pytest
-
 from fake_sglang import RELEASES, load_function
+
 from sglang_lora_tma_guard.guard import hooks_touch_buffers, make_guarded
 from sglang_lora_tma_guard.inspection import inspect_target
 

@@ -5,8 +5,13 @@ adapters on its experts, of ranks 8, 16, 32 and 64.
     python make_model.py MODEL_DIR LORA_DIR        (MOE_I=1280 for tensor parallel 2)
 
 Random weights, but a real checkpoint: SGLang refuses LoRA adapters with --load-format dummy."""
-import json, os, sys, torch
+import json
+import os
+import sys
+
+import torch
 from safetensors.torch import save_file
+
 model, lora = sys.argv[1], sys.argv[2]
 H, E, L, V, NH, KVH, HD = 256, 80, 2, 2048, 4, 4, 64
 RANKS = {"a1": 8, "a2": 16, "a3": 32, "a4": 64}  # KV width 256 (NH*HD): 128 per rank at tp 2, one fp8 block

@@ -78,7 +78,8 @@ class Reference:
         chosen = rows[torch.arange(len(output)), torch.tensor(output, device=self.device)]
         gap = rows.max(dim=-1).values - chosen
         bad = (gap > NATS).nonzero().flatten().tolist()
-        return {"bad": len(bad), "first_bad": bad[0] if bad else None, "gap_median": float(gap.median())}
+        return {"bad": len(bad), "first_bad": bad[0] if bad else None, "gap_median": float(gap.median()),
+                "positions": len(output)}
 
 
 def verdict(ref: Reference, runs: list[str]) -> str:
@@ -97,9 +98,11 @@ def verdict(ref: Reference, runs: list[str]) -> str:
         for adapter, rows in scored.items():
             right = sum(r["bad"] <= MAX_BAD for r in rows)
             first = [r["first_bad"] for r in rows if r["bad"] > MAX_BAD]
-            lines.append(
-                f"   {adapter:<8} {len(rows):>8}  {right:>5}  {sum(r['bad'] for r in rows):>5}/{sum(len(x['output']) for x in run['requests'] if (x['adapter'] or 'base') == adapter):<7}"
-                f"  {statistics.median(first) if first else '-':>24}  {statistics.median(r['gap_median'] for r in rows):>17.3f}")
+            positions = sum(r["positions"] for r in rows)
+            median_first = statistics.median(first) if first else "-"
+            median_gap = statistics.median(r["gap_median"] for r in rows)
+            lines.append(f"   {adapter:<8} {len(rows):>8}  {right:>5}  {sum(r['bad'] for r in rows):>5}/{positions:<7}"
+                         f"  {median_first:>24}  {median_gap:>17.3f}")
         counts = [r["bad"] for rows in scored.values() for r in rows]
         right = [c for c in counts if c <= MAX_BAD]
         wrong = [c for c in counts if c > MAX_BAD]
