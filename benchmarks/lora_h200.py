@@ -6,7 +6,7 @@ LoRA-style hooks and with SGLang's own LoRA hooks, eager and under CUDA-graph re
 
 Per shape and batch size (SGLang's own tuned configs, which say USE_TMA for these three H200 shapes):
 
-- ``style``: in-place low-rank adds per route (``tiny_moe.lora_hooks``), as in FACTS §7;
+- ``style``: in-place low-rank adds per route (``tiny_moe.lora_hooks``), as in the README's weight-TMA table;
 - ``sglang``: SGLang's ``build_lora_hooks`` with a ``LoRAInfo`` of 4 adapters (ranks 8, 16, 32, 64,
   padded to 64; the batch split among them and the base model), its ``fused_moe_lora`` kernels, the
   call made by SGLang's ``TritonRunnerCore.run``; graphs captured in SGLang's capture mode
