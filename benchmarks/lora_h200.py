@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from h200_proof import SHAPES, benchmark_parser, capture, load_sglang, lookup_configs, results_dir
@@ -160,7 +161,9 @@ def main(argv=None) -> int:
     from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
     import sglang_lora_tma_guard as guard
-    from sglang_lora_tma_guard import real_lora
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from harness import real_lora  # SGLang's LoRA hooks on a tiny problem (tests/harness)
+
     from sglang_lora_tma_guard.inspection import sglang_version
 
     tiny_moe.fused_moe_module()

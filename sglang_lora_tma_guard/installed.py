@@ -2,8 +2,8 @@
 server settings that module reads, given where no server has published them.
 
 Used by the check (exposure, self-test), the tiny MoE (:mod:`sglang_lora_tma_guard.tiny_moe`) and
-SGLang's LoRA runner on a tiny problem (:mod:`sglang_lora_tma_guard.real_lora`). The guard itself
-needs none of it: it runs inside SGLang's own processes.
+the tests' harness (SGLang's LoRA runner on a tiny problem). The guard itself needs none of it: it
+runs inside SGLang's own processes.
 """
 
 from __future__ import annotations

@@ -92,6 +92,14 @@ class MoEProblem:
         """Computed once, before any CUDA-graph capture (it copies from the host)."""
         return align_block_size(self.topk_ids, self.config["BLOCK_SIZE_M"], self.num_experts)
 
+    def reroute(self, topk_ids: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None) -> None:
+        """Give the problem new routes (in place); the alignment of the old ones is dropped."""
+        if topk_ids is not None:
+            self.topk_ids = topk_ids
+        if topk_weights is not None:
+            self.topk_weights = topk_weights
+        self.__dict__.pop("alignment", None)
+
 
 def small_config(block_m: int = 16) -> dict:
     """A kernel config small enough for Triton's CPU interpreter."""

@@ -1,4 +1,4 @@
-"""The guard under torch.compile: Dynamo must trace it, not step around it (a wrapt FunctionWrapper is skipped by Dynamo without a word)."""
+"""The guard under torch.compile: Dynamo must trace it, not step around it (as it does a wrapt FunctionWrapper)."""
 
 import sys
 import types

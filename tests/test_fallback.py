@@ -47,8 +47,7 @@ def route(problem, experts_used=None, filtered=0.0, seed=0):
     weights, ids = torch.topk(scores.softmax(-1), topk, dim=-1)
     if filtered:
         ids[torch.rand(ids.shape, generator=gen) < filtered] = -1
-    problem.topk_weights, problem.topk_ids = weights.float(), ids.to(torch.int32)
-    problem.__dict__.pop("alignment", None)
+    problem.reroute(topk_ids=ids.to(torch.int32), topk_weights=weights.float())
 
 
 CASES = {

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import real_lora
 from reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
 
 import sglang_lora_tma_guard as guard
-from sglang_lora_tma_guard import real_lora, tiny_moe
+from sglang_lora_tma_guard import tiny_moe
 
 pytestmark = pytest.mark.real
 
