@@ -94,9 +94,15 @@ def probe_all(versions, jobs: int = 2, probe=probe_release) -> dict:
         return dict(zip(versions, pool.map(probe, versions)))
 
 
-def row(report: dict) -> str:
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table; a release whose probe failed gets ``error`` in its second column."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
+def row(report: dict) -> list[str]:
     if "error" in report:
-        return f"| {report['version']} | error | | | | | | |"
+        return [report["version"], "error"] + [""] * 6
     target, result = report["target"], report.get("selftest") or {}
     cases = result.get("cases") or []
     wrong = ", ".join(f"{c['rows_wrong_without_guard']}/{c['tokens']}" for c in cases) or "–"
@@ -107,38 +113,30 @@ def row(report: dict) -> str:
     weights = ("yes" if cases and all(c["guarded_launches"] == [WEIGHT_TMA_LAUNCH] * 2 for c in cases)
                else "no" if cases else "–")
     outcome = {True: "PASS", False: "FAIL", None: "not needed"}[result.get("passed")]
-    return (f"| {report['version']} | {target.get('strategy')} | "
-            f"{'yes' if target.get('native_guard') else 'no'} | {wrong} | {with_guard} | {weights} | "
-            f"{hookless} | {outcome} |")
+    return [report["version"], str(target.get("strategy")), "yes" if target.get("native_guard") else "no",
+            wrong, with_guard, weights, hookless, outcome]
 
 
 def markdown(reports: list[dict]) -> str:
-    return "\n".join([
-        "| sglang | strategy | native guard | rows wrong without the guard | with the guard | "
-        "TMA weights | hook-less calls | self-test |",
-        "|---|---|---|---|---|---|---|---|",
-        *(row(r) for r in reports),
-    ])
+    return table(["sglang", "strategy", "native guard", "rows wrong without the guard", "with the guard",
+                  "TMA weights", "hook-less calls", "self-test"], [row(r) for r in reports])
 
 
-def fusion_row(result: dict) -> str:
+def fusion_row(result: dict) -> list[str]:
     if "error" in result:
-        return f"| {result['version']} | error | | | | |"
+        return [result["version"], "error"] + [""] * 4
     yes = {True: "fusion off", False: "untouched"}
     early = result["resolved_before_plugins"]["child"]
     warned = " (warned)" if any("WILL BE WRONG" in line for line in result["warnings"]) else " (SILENT)"
-    return (f"| {result['version']} | {result['hooked']} | {yes[result['lora_paths']]} / "
-            f"{yes[result['enable_lora']]} | {yes[result['no_lora']]} / {yes[result['enable_lora_false_with_paths']]} | "
-            f"{yes[result['lora_forced_fusion']]}{warned} | {yes[early]} |")
+    return [result["version"], result["hooked"], f"{yes[result['lora_paths']]} / {yes[result['enable_lora']]}",
+            f"{yes[result['no_lora']]} / {yes[result['enable_lora_false_with_paths']]}",
+            f"{yes[result['lora_forced_fusion']]}{warned}", yes[early]]
 
 
 def fusion_markdown(results: list[dict]) -> str:
-    return "\n".join([
-        "| sglang | hook on | LoRA server (--lora-paths / --enable-lora), as a scheduler receives it | "
-        "no LoRA / --enable-lora false | fusion forced | Engine(server_args=...) built before plugins |",
-        "|---|---|---|---|---|---|",
-        *(fusion_row(r) for r in results),
-    ])
+    return table(["sglang", "hook on", "LoRA server (--lora-paths / --enable-lora), as a scheduler receives it",
+                  "no LoRA / --enable-lora false", "fusion forced", "Engine(server_args=...) built before plugins"],
+                 [fusion_row(r) for r in results])
 
 
 def main(argv=None) -> int:
