@@ -64,13 +64,28 @@ class FallbackUnsupported(ValueError):
     """A hooked call the fallback does not cover; the message says which part and what is covered."""
 
 
+# The fp8 quantization of GEMM inputs, as SGLang does it: scale = max(|x|, QUANT_EPS) / FP8_MAX.
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_QUANT_EPS = tl.constexpr(QUANT_EPS)
+
+
 @triton.jit
 def _moe_gemm_kernel(
+    # Pointers. A (rows, K): the GEMM's input, one row per token (gate-up) or per route (down);
+    # A_SCALE (rows, K / BLOCK_K) fp32 with FP8; B (E, N, K): the experts' weights; C (R, N): the
+    # route-major output, R = tokens * topk; BIAS (E, N); B_SCALE (E, N / SCALE_BLOCK_N, K / BLOCK_K)
+    # fp32 with FP8; TOPK_WEIGHTS (R,); SGLang's route list: SORTED_IDS (S,) route ids padded with R,
+    # EXPERT_IDS (S / BLOCK_M,) one expert (or -1) per block, NUM_POST_PADDED (1,) the blocks used.
     a_ptr, a_scale_ptr, b_ptr, c_ptr, bias_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    # Sizes: N, K of the weights; R routes; S entries of the padded route list.
     N, K, num_routes, num_sorted,
+    # Strides, in elements.
     stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_bias_e, stride_bias_n, stride_se, stride_sn, stride_sk,
+    # Meta-parameters: routes that share one A row (topk for gate-up, 1 for down); the fp8 scale
+    # block along N; the tile (BLOCK_M = the route list's block size; with FP8, BLOCK_K = one K
+    # quantization group); GROUP_M, the L2 swizzle of output tiles.
     ROUTES_PER_A_ROW: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -137,9 +152,9 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _quantize_group(x, q_ptrs, s_ptr, ok):
-    """Store ``x`` (one row's K group, float32) as fp8 with scale max|x| / 448, as SGLang does."""
-    scale = tl.maximum(tl.max(tl.abs(tl.where(ok, x, 0.0))), 1e-10) / 448.0
-    tl.store(q_ptrs, tl.clamp(x * (1.0 / scale), -448.0, 448.0).to(q_ptrs.dtype.element_ty), mask=ok)
+    """Store ``x`` (one row's K group, float32) as fp8 with scale max|x| / FP8_MAX, as SGLang does."""
+    scale = tl.maximum(tl.max(tl.abs(tl.where(ok, x, 0.0))), _QUANT_EPS) / _FP8_MAX
+    tl.store(q_ptrs, tl.clamp(x * (1.0 / scale), -_FP8_MAX, _FP8_MAX).to(q_ptrs.dtype.element_ty), mask=ok)
     tl.store(s_ptr, scale)
 
 
@@ -197,8 +212,23 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     swizzle of output tiles, unrelated).
     """
     experts, n, k = w.shape
-    grid = (triton.cdiv(sorted_ids.shape[0], tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
     fp8 = w_scale is not None
+    block_m, block_k = tile["BLOCK_M"], tile["BLOCK_K"]
+    assert a.dim() == 2 and a.shape[1] == k, f"A is {tuple(a.shape)}, the weights take K={k}"
+    assert out.dim() == 2 and out.shape[1] == n, f"C is {tuple(out.shape)}, the weights give N={n}"
+    assert out.shape[0] == a.shape[0] * routes_per_a_row, "one output row per route"
+    assert expert_ids.shape[0] >= triton.cdiv(sorted_ids.shape[0], block_m), "one expert id per route block"
+    if bias is not None:
+        assert bias.shape == (experts, n), f"bias is {tuple(bias.shape)}, expected {(experts, n)}"
+    if fp8:
+        assert a.dtype == torch.float8_e4m3fn and a_scale is not None, "block fp8 takes fp8 A with its scales"
+        groups = triton.cdiv(k, block_k)
+        assert a_scale.shape == (a.shape[0], groups), f"A's scales are {tuple(a_scale.shape)}, expected {(a.shape[0], groups)}"
+        expected = (experts, triton.cdiv(n, scale_block_n), groups)
+        assert w_scale.shape == expected, f"the weights' scales are {tuple(w_scale.shape)}, expected {expected}"
+    else:
+        assert a.dtype == w.dtype, f"A in {a.dtype}, weights in {w.dtype}"
+    grid = (triton.cdiv(sorted_ids.shape[0], block_m) * triton.cdiv(n, tile["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, a_scale if fp8 else a, w, out, bias if bias is not None else w, w_scale if fp8 else w,
         topk_weights, sorted_ids, expert_ids, num_post_padded,

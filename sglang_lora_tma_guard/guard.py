@@ -93,7 +93,8 @@ class GuardStatus:
     target: str = TARGET
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Plain values only (the strategy as its string), for JSON and for pickles read by others."""
+        return {**asdict(self), "strategy": self.strategy.value if self.strategy else None}
 
 
 def hooks_touch_buffers(hooks) -> bool:
