@@ -63,7 +63,7 @@ def probe_release(version: str) -> dict:
     """Strategy, verdict and self-test of one release, from a fresh interpreter."""
     env = release_env(version)
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_lora_tma_guard.check", "--selftest", "--json", "--device", "cpu"],
+        [sys.executable, "-m", "sglang_lora_tma_guard.check", "--selftest", "--json", "--selftest-device", "cpu"],
         env=env, capture_output=True, text=True, timeout=900,
     )
     try:

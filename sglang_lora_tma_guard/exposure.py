@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -48,6 +48,31 @@ class MoEShape:
     block_shape: tuple[int, int] | None
     tp: int
     ep: int
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    sglang_fuses: bool
+    """SGLang folds this model's shared expert into the routed ones by default."""
+    turned_off_by: str | None
+    """``"user"`` (--disable-shared-experts-fusion), ``"guard"`` (a LoRA server with the guard), or None."""
+    experts_per_rank_fused: int
+    """E at the runner when fused (routed + shared), as the verdict names it."""
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """One deployment: the shape its server builds, its shared expert, and SGLang's TMA answer."""
+
+    model_path: str
+    shape: MoEShape
+    shared_expert: SharedExpert
+    device_name: str
+    down_config_file: str
+    triton_tensor_descriptors: bool
+    buckets: dict[int, bool]
+    """Tuned down-config buckets (batch size) and whether each takes the TMA down path."""
+    tma_anywhere: bool
 
 
 def load_config(model_path: str) -> dict:
@@ -165,7 +190,7 @@ def tma_buckets(shape: MoEShape, device_name: str | None = None) -> dict:
 
 
 def predict(model_path: str, tp: int, ep: int, device_name: str | None, *, fusion_disabled: bool,
-            guard_disables_fusion: bool) -> dict:
+            guard_disables_fusion: bool) -> Exposure:
     """The deployment's exposure: shared-expert fusion, and TMA for the shape the server builds.
 
     ``fusion_disabled``: the server is started with ``--disable-shared-experts-fusion``;
@@ -175,7 +200,5 @@ def predict(model_path: str, tp: int, ep: int, device_name: str | None, *, fusio
     by_default = moe_shape(config, tp, ep, shared_experts_fusion=True)
     turned_off_by = "user" if fusion_disabled else "guard" if guard_disables_fusion else None
     served = moe_shape(config, tp, ep, shared_experts_fusion=turned_off_by is None)
-    shared = {"sglang_fuses": by_default.fused_shared_experts > 0, "turned_off_by": turned_off_by,
-              "experts_per_rank_fused": by_default.experts_per_rank}
-    return {"model_path": model_path, "shape": asdict(served), "shared_expert": shared,
-            **tma_buckets(served, device_name)}
+    shared = SharedExpert(by_default.fused_shared_experts > 0, turned_off_by, by_default.experts_per_rank)
+    return Exposure(model_path=model_path, shape=served, shared_expert=shared, **tma_buckets(served, device_name))

@@ -11,11 +11,26 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 
 from .inspection import Strategy
 
 TOKENS = (3, 17)
 """Two batch sizes: a ragged one and one whose routes span several kernel blocks."""
+
+
+@dataclass(frozen=True)
+class SelfTestResult:
+    """What the self-test found; ``skipped`` or ``error`` say why it has no cases."""
+
+    device: str | None = None
+    strategy: Strategy | None = None
+    exposed_without_guard: bool | None = None
+    passed: bool | None = None
+    seconds: float | None = None
+    cases: list[dict] = field(default_factory=list)
+    skipped: str | None = None
+    error: str | None = None
 
 
 def prepare(device: str | None = None) -> str:
@@ -32,7 +47,7 @@ def prepare(device: str | None = None) -> str:
     return device
 
 
-def run(device: str) -> dict:
+def run(device: str) -> SelfTestResult:
     """The self-test; the guard is left as it was found."""
     import torch
 
@@ -81,22 +96,16 @@ def run(device: str) -> dict:
     )
     if strategy is Strategy.WEIGHT_TMA:  # the speed-up must really be taken, and A must stay route-major
         passed = passed and all(c["guarded_launches"] == [tiny_moe.WEIGHT_TMA_LAUNCH] * 2 for c in cases)
-    return {
-        "device": device,
-        "strategy": strategy,
-        "exposed_without_guard": exposed,
-        "passed": passed,
-        "seconds": round(time.perf_counter() - started, 2),
-        "cases": cases,
-    }
+    return SelfTestResult(device=device, strategy=strategy, exposed_without_guard=exposed, passed=passed,
+                          seconds=round(time.perf_counter() - started, 2), cases=cases)
 
 
-def render(result: dict) -> list[str]:
+def render(result: SelfTestResult) -> list[str]:
     from .tiny_moe import WEIGHT_TMA_LAUNCH
 
-    lines = [f"Self-test ({result['device']}{', Triton interpreter' if result['device'] == 'cpu' else ''}, "
-             f"{result['seconds']} s): block-fp8 MoE, 4 experts, top-2, LoRA hooks, TMA requested"]
-    for c in result["cases"]:
+    lines = [f"Self-test ({result.device}{', Triton interpreter' if result.device == 'cpu' else ''}, "
+             f"{result.seconds} s): block-fp8 MoE, 4 experts, top-2, LoRA hooks, TMA requested"]
+    for c in result.cases:
         with_guard = ("bit-identical" if c["identical_with_guard"]
                       else f"relative error {c['rel_err_with_guard']:.2%}") if c["guard_installed"] else "not installed"
         weights = " (TMA weights)" if c["guarded_launches"] == [WEIGHT_TMA_LAUNCH] * 2 else ""
@@ -104,5 +113,5 @@ def render(result: dict) -> list[str]:
             f"  {c['tokens']:>3} tokens: without the guard {c['rows_wrong_without_guard']}/{c['tokens']} rows wrong; "
             f"with it {with_guard}{weights}; hook-less calls {'untouched' if c['hookless_untouched'] else 'CHANGED'}"
         )
-    lines.append(f"  {'PASS' if result['passed'] else 'FAIL'}")
+    lines.append(f"  {'PASS' if result.passed else 'FAIL'}")
     return lines

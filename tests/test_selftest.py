@@ -11,10 +11,10 @@ pytestmark = pytest.mark.real
 
 def test_selftest_passes_and_shows_the_exposure(fm):
     result = selftest.run("cpu")
-    assert result["passed"] is True and result["exposed_without_guard"] is True
-    assert result["strategy"] == "weight_tma"
-    assert all(c["identical_with_guard"] and c["hookless_untouched"] for c in result["cases"])
-    assert all(c["guarded_launches"] == [tiny_moe.WEIGHT_TMA_LAUNCH] * 2 for c in result["cases"])
+    assert result.passed is True and result.exposed_without_guard is True
+    assert result.strategy == "weight_tma"
+    assert all(c["identical_with_guard"] and c["hookless_untouched"] for c in result.cases)
+    assert all(c["guarded_launches"] == [tiny_moe.WEIGHT_TMA_LAUNCH] * 2 for c in result.cases)
     assert not guard.status().active  # left as it was found
 
 
@@ -28,8 +28,8 @@ def test_selftest_fails_when_the_wrapper_does_nothing(fm, monkeypatch):
 
     monkeypatch.setattr(guard, "make_guarded", do_nothing)
     result = selftest.run("cpu")
-    assert result["passed"] is False
-    assert all(c["guard_installed"] and not c["identical_with_guard"] for c in result["cases"])
+    assert result.passed is False
+    assert all(c["guard_installed"] and not c["identical_with_guard"] for c in result.cases)
     assert selftest.render(result)[-1].strip() == "FAIL"
 
 

@@ -4,39 +4,59 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_lora_tma_guard.check import EXIT_EXPOSED, EXIT_OK, EXIT_UNKNOWN, verdict
+from sglang_lora_tma_guard.check import (
+    EXIT_EXPOSED,
+    EXIT_OK,
+    EXIT_UNKNOWN,
+    Environment,
+    FusionFixTrial,
+    GuardReport,
+    Report,
+    SwitchReport,
+    Target,
+    verdict,
+)
+from sglang_lora_tma_guard.exposure import Exposure, MoEShape, SharedExpert
+from sglang_lora_tma_guard.inspection import Strategy
+from sglang_lora_tma_guard.selftest import SelfTestResult
+
+ENVIRONMENT = Environment(python="3.11", sglang="0.5.16", torch=None, triton=None, wrapt=None, gpu=None,
+                          gpu_compute_capability=None, triton_tensor_descriptors=True, gpu_has_tma=None)
 
 
 def report(strategy="weight_tma", native=False, switch=True, entry=True, admitted=True, installs=True,
-           exposure=None, selftest=None, importable=True, fix_takes=True):
-    target = {"importable": importable, "error": None if importable else "cannot import it",
-              "strategy": strategy, "reason": f"reason of {strategy}", "native_guard": native}
-    guard = {"switch": {"enabled": switch}, "entry_point": "lora_tma_guard = x" if entry else None,
-             "admitted_by_sglang_plugins": admitted, "wrapper_installs": installs,
-             "shared_expert_fix": {"hook": "ServerArgs.__post_init__", "lora_server_fusion_off": fix_takes,
-                                   "error": None if fix_takes else "no hook registry"}}
-    found = {"environment": {"sglang": "0.5.16"}, "target": target, "guard": guard}
-    if exposure is not None:
-        found["exposure"] = exposure
-    if selftest is not None:
-        found["selftest"] = selftest
-    return found
+           exposure=None, selftest=None, importable=True, fix_takes=True, exposure_error=None):
+    strategy = Strategy(strategy)
+    target = Target("t", importable=importable, error=None if importable else "cannot import it",
+                    strategy=strategy, reason=f"reason of {strategy.value}", native_guard=native)
+    guard = GuardReport(
+        switch=SwitchReport("SGLANG_LORA_TMA_GUARD", "1" if switch else None, switch, True, False),
+        entry_point="lora_tma_guard = x" if entry else None, sglang_plugins=None,
+        admitted_by_sglang_plugins=admitted,
+        shared_expert_fix=FusionFixTrial("ServerArgs.__post_init__", fix_takes, None if fix_takes else "no hook registry"),
+        wrapper_installs=installs, installed_strategy=strategy if installs else None)
+    return Report(schema_version=2, tool={}, environment=ENVIRONMENT, sglang_version_note=None,
+                  version_says_affected=None, target=target, guard=guard, exposure=exposure,
+                  exposure_error=exposure_error, selftest=selftest)
 
 
 def exposure(tma: bool, fuses: bool = True, turned_off_by: str | None = None):
     """A deployment: whether SGLang fuses its shared expert, who turns that off, and TMA buckets."""
-    return {"shape": {"architecture": "DeepseekV3ForCausalLM", "tp": 8, "ep": 1,
-                      "experts_per_rank": 257 if fuses and not turned_off_by else 256, "intermediate_per_shard": 256},
-            "shared_expert": {"sglang_fuses": fuses, "turned_off_by": turned_off_by, "experts_per_rank_fused": 257},
-            "device_name": "NVIDIA H200", "tma_anywhere": tma, "buckets": {"1": tma, "64": tma, "1024": tma}}
+    fused = fuses and not turned_off_by
+    shape = MoEShape(architecture="DeepseekV3ForCausalLM", routed_experts=256, fused_shared_experts=int(fused),
+                     experts_per_rank=257 if fused else 256, intermediate_per_shard=256, hidden_size=7168, topk=8,
+                     dtype="fp8_w8a8", block_shape=(128, 128), tp=8, ep=1)
+    return Exposure(model_path="m", shape=shape, shared_expert=SharedExpert(fuses, turned_off_by, 257),
+                    device_name="NVIDIA H200", down_config_file="f", triton_tensor_descriptors=True,
+                    buckets={1: tma, 64: tma, 1024: tma}, tma_anywhere=tma)
 
 
 CASES = {
     "sglang-not-importable": (report(importable=False), "unknown", EXIT_UNKNOWN, "cannot import"),
-    "exposure-error": (report(exposure={"error": "no config.json"}), "unknown", EXIT_UNKNOWN, "no config.json"),
-    "selftest-could-not-run": (report(selftest={"passed": False, "error": "boom"}), "unknown", EXIT_UNKNOWN,
+    "exposure-error": (report(exposure_error="no config.json"), "unknown", EXIT_UNKNOWN, "no config.json"),
+    "selftest-could-not-run": (report(selftest=SelfTestResult(passed=False, error="boom")), "unknown", EXIT_UNKNOWN,
                                "could not run: boom"),
-    "selftest-failed": (report(selftest={"passed": False}), "exposed", EXIT_EXPOSED, "self-test FAILED"),
+    "selftest-failed": (report(selftest=SelfTestResult(passed=False)), "exposed", EXIT_EXPOSED, "self-test FAILED"),
     "absent": (report(strategy="absent"), "not-affected", EXIT_OK, "reason of absent"),
     "unsupported": (report(strategy="unsupported"), "exposed", EXIT_EXPOSED, "needs the upstream fix"),
     # The TMA bug, with the shared-expert fix on (or a model SGLang does not fuse).
@@ -57,7 +77,7 @@ CASES = {
                              "takes the TMA down path at batch sizes 1-1024"),
     "exposed-deployment": (report(switch=False, exposure=exposure(True, fuses=False)), "exposed", EXIT_EXPOSED,
                            "DeepseekV3ForCausalLM at tp 8"),
-    "selftest-passed": (report(selftest={"passed": True}), "protected", EXIT_OK, "SGLang 0.5.16 is affected"),
+    "selftest-passed": (report(selftest=SelfTestResult(passed=True)), "protected", EXIT_OK, "SGLang 0.5.16 is affected"),
     # A fused shared expert under LoRA.
     "fusing-model-guard-on": (report(native=True, exposure=exposure(False, turned_off_by="guard")), "protected",
                               EXIT_OK, "LoRA servers run with shared-experts fusion off"),
@@ -79,12 +99,12 @@ CASES = {
 def test_one_verdict_per_combination(case):
     found, status, code, phrase = CASES[case]
     result = verdict(found)
-    assert (result["status"], result["exit_code"]) == (status, code), result
-    assert phrase in result["message"], result["message"]
+    assert (result.status, result.exit_code) == (status, code), result
+    assert phrase in result.message, result.message
 
 
 def test_both_bugs_are_named_when_both_are_exposed():
-    message = verdict(CASES["both-bugs-guard-off"][0])["message"]
+    message = verdict(CASES["both-bugs-guard-off"][0]).message
     assert "TMA down path" in message and "fuses this model's shared expert" in message
 
 
