@@ -123,11 +123,11 @@ def main(argv=None) -> int:
     args = benchmark_parser(__doc__, TOKENS, shapes=False).parse_args(argv)
     out = results_dir(args)
     tiny_moe = load_sglang()
-    from sglang_lora_tma_guard import fallback
+    from sglang_lora_tma_guard import fallback, installed
     from sglang_lora_tma_guard.inspection import sglang_version
 
-    tiny_moe.fused_moe_module()
-    tiny_moe.ensure_server_args()
+    installed.fused_moe_module()
+    installed.ensure_server_args()
     import triton
 
     bandwidth = copy_bandwidth()

@@ -242,10 +242,11 @@ def main(argv=None) -> int:
     from sglang.srt.plugins import load_plugins
 
     import sglang_lora_tma_guard as guard
+    from sglang_lora_tma_guard import installed
     from sglang_lora_tma_guard.inspection import sglang_version
 
-    tiny_moe.fused_moe_module()
-    tiny_moe.ensure_server_args()
+    installed.fused_moe_module()
+    installed.ensure_server_args()
     load_plugins()
     state = guard.status()
     if not state.installed:

@@ -164,10 +164,11 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from harness import real_lora  # SGLang's LoRA hooks on a tiny problem (tests/harness)
 
+    from sglang_lora_tma_guard import installed
     from sglang_lora_tma_guard.inspection import sglang_version
 
-    tiny_moe.fused_moe_module()
-    tiny_moe.ensure_server_args()
+    installed.fused_moe_module()
+    installed.ensure_server_args()
     meta = {"sglang": sglang_version(), "torch": torch.__version__, "triton": triton.__version__,
             "gpu": torch.cuda.get_device_name(0), "ranks": RANKS}
     print(json.dumps(meta), flush=True)

@@ -26,10 +26,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     args = parser.parse_args(argv)
     tiny_moe = load_sglang()
-    from sglang_lora_tma_guard import fallback
+    from sglang_lora_tma_guard import fallback, installed
 
-    tiny_moe.fused_moe_module()
-    tiny_moe.ensure_server_args()
+    installed.fused_moe_module()
+    installed.ensure_server_args()
     shape = SHAPES["glm51-fp8-tp8"]
     weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
     for tokens in args.tokens:

@@ -38,10 +38,10 @@ def main(argv=None) -> int:
     os.environ.pop("SGLANG_LORA_TMA_GUARD", None)
 
     started = time.perf_counter()
-    from . import tiny_moe
+    from . import installed, tiny_moe
     from .inspection import sglang_version
 
-    tiny_moe.fused_moe_module()
+    installed.fused_moe_module()
     print(f"SGLang {sglang_version()} imported in {time.perf_counter() - started:.1f} s; device {device}"
           + (" (Triton interpreter)" if device == "cpu" else ""))
     print("Each row: one block-fp8 MoE layer, LoRA hooks after gate-up and after down, TMA requested.\n")

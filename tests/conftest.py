@@ -17,10 +17,10 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="module")
 def fm():
     """SGLang 0.5.16's fused-MoE module; fails the module's tests if one left the guard in place."""
-    from sglang_lora_tma_guard import tiny_moe
+    from sglang_lora_tma_guard import installed
     from sglang_lora_tma_guard.inspection import TARGET_NAME
 
-    module = tiny_moe.fused_moe_module()
+    module = installed.fused_moe_module()
     original = getattr(module, TARGET_NAME)
     yield module
     assert getattr(module, TARGET_NAME) is original, "a test left the guard installed"

@@ -28,7 +28,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 import sglang_lora_tma_guard as guard  # noqa: E402
-from sglang_lora_tma_guard import tiny_moe  # noqa: E402
+from sglang_lora_tma_guard import installed, tiny_moe  # noqa: E402
 
 SEED = 20261130
 HOOKS = ("gate_up", "down", "both", "neither")
@@ -125,7 +125,7 @@ def run_cases(indices) -> dict:
 
 
 def _run_cases(indices, launches: list) -> dict:
-    fm = tiny_moe.fused_moe_module()
+    fm = installed.fused_moe_module()
     sglang_function = fm._fused_moe_kernel_sequence
     arrivals = []
     record_arrivals(fm, arrivals)
