@@ -27,7 +27,6 @@ import textwrap
 
 LAUNCHER = "invoke_fused_moe_kernel"
 FLAG = "down_moe_use_tma"
-VARIANT_MARKER = "__lora_tma_guard_variant__"
 
 
 class Unavailable(Exception):
@@ -52,7 +51,6 @@ def build(func):
     variant = namespace[func.__name__]
     variant.__qualname__ = func.__qualname__
     variant.__doc__ = func.__doc__
-    setattr(variant, VARIANT_MARKER, "weight_tma")
     return variant
 
 
