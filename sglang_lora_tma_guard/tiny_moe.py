@@ -277,30 +277,14 @@ def call_arguments(problem: MoEProblem, hooks, **overrides) -> dict:
 
 def sequence_kwargs(problem: MoEProblem, hooks) -> dict:
     """The keyword arguments SGLang 0.5.16's Triton runner passes, for block-fp8 weights."""
+    unset = dict.fromkeys(("b1", "b2", "w1_zp", "w2_zp", "a1_scale", "a2_scale", "routed_scaling_factor",
+                           "gemm1_alpha", "gemm1_limit"), None)
+    off = dict.fromkeys(("use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16", "per_channel_quant", "no_combine",
+                         "apply_router_weight_on_input", "filter_expert"), False)
     return dict(
-        b1=None,
-        b2=None,
-        use_fp8_w8a8=True,
-        use_int8_w8a8=False,
-        use_int8_w8a16=False,
-        use_int4_w4a16=False,
-        per_channel_quant=False,
-        w1_scale=problem.w1_scale,
-        w2_scale=problem.w2_scale,
-        w1_zp=None,
-        w2_zp=None,
-        a1_scale=None,
-        a2_scale=None,
-        block_shape=list(FP8_BLOCK),
-        activation="silu",
-        is_gated=True,
-        no_combine=False,
+        **unset, **off, use_fp8_w8a8=True, w1_scale=problem.w1_scale, w2_scale=problem.w2_scale,
+        block_shape=list(FP8_BLOCK), activation="silu", is_gated=True,
         inplace=True,  # the out-of-place path asks for a tensor-parallel group
-        apply_router_weight_on_input=False,
-        routed_scaling_factor=None,
-        gemm1_alpha=None,
-        gemm1_limit=None,
-        filter_expert=False,
         hooks=hooks,
     )
 
