@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
-CASES = int(os.environ.get("LORA_TMA_GUARD_RANDOM_CASES", "80"))
+CASES = int(os.environ.get("LORA_TMA_GUARD_RANDOM_CASES", "48"))
 WORKERS = 2
 SWEEP = Path(__file__).with_name("random_sweep.py")
 
