@@ -18,12 +18,14 @@ import sys
 from pathlib import Path
 
 import torch
-from h200_proof import SHAPES, benchmark_parser, capture, load_sglang, lookup_configs, replay_ms, results_dir
+from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir
+
+from sglang_lora_tma_guard import fallback, tiny_moe
+from sglang_lora_tma_guard.inspection import sglang_version
+from sglang_lora_tma_guard.tiny_moe import rel_err
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from reference import reference_moe  # noqa: E402  (the PyTorch reference lives with the tests)
-
-from sglang_lora_tma_guard.tiny_moe import rel_err  # noqa: E402
 
 TOKENS = [1, 8, 32, 64, 256, 1024, 4096, 8192]
 
@@ -44,7 +46,7 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     return 2 * src.numel() / best
 
 
-def measure(tiny_moe, fallback, shape, tokens, weights, bandwidth) -> dict:
+def measure(shape, tokens, weights, bandwidth) -> dict:
     config, down_config, use_tma = lookup_configs(shape, tokens)
     problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], rank=16, seed=tokens,
                                  device="cuda", dtype=torch.bfloat16, weights=weights,
@@ -76,7 +78,7 @@ def measure(tiny_moe, fallback, shape, tokens, weights, bandwidth) -> dict:
     return row
 
 
-def reference_checks(tiny_moe, fallback) -> list[dict]:
+def reference_checks() -> list[dict]:
     """Small cases against the plain PyTorch reference, natively (GPU fp8 rounding = PyTorch's)."""
     results = []
     for tokens, experts, topk in [(1, 4, 2), (13, 8, 3), (5, 16, 9), (6, 257, 8)]:
@@ -86,13 +88,13 @@ def reference_checks(tiny_moe, fallback) -> list[dict]:
         ours = fallback.fused_moe_hooked(tiny_moe.call_arguments(problem, hooks))
         reference = reference_moe(
             {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in tiny_moe.call_arguments(problem, None).items()
-             } | {"hooks": _cpu_hooks(tiny_moe, problem)})
+             } | {"hooks": _cpu_hooks(problem)})
         results.append({"tokens": tokens, "experts": experts, "topk": topk,
                         "rel_err_vs_reference": rel_err(ours.cpu(), reference)})
     return results
 
 
-def _cpu_hooks(tiny_moe, problem):
+def _cpu_hooks(problem):
     cpu = tiny_moe.MoEProblem(**{f: (getattr(problem, f).cpu() if torch.is_tensor(getattr(problem, f))
                                   else getattr(problem, f))
                               for f in ("hidden_states", "w1", "w2", "w1_scale", "w2_scale",
@@ -122,24 +124,19 @@ def markdown(rows, meta) -> str:
 def main(argv=None) -> int:
     args = benchmark_parser(__doc__, TOKENS, shapes=False).parse_args(argv)
     out = results_dir(args)
-    tiny_moe = load_sglang()
-    from sglang_lora_tma_guard import fallback, installed
-    from sglang_lora_tma_guard.inspection import sglang_version
-
-    installed.fused_moe_module()
-    installed.ensure_server_args()
+    prepare_sglang()
     import triton
 
     bandwidth = copy_bandwidth()
     meta = {"gpu": torch.cuda.get_device_name(0), "sglang": sglang_version(), "triton": triton.__version__,
             "copy_bandwidth_tb_s": bandwidth / 1e12}
-    meta["reference_checks"] = reference_checks(tiny_moe, fallback)
+    meta["reference_checks"] = reference_checks()
     print(json.dumps(meta), flush=True)
     shape = SHAPES["glm51-fp8-tp8"]
     weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
     rows = []
     for tokens in args.tokens:
-        rows.append(measure(tiny_moe, fallback, shape, tokens, weights, bandwidth))
+        rows.append(measure(shape, tokens, weights, bandwidth))
         print(json.dumps(rows[-1]), flush=True)
         (out / "fallback_vs_sglang.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (out / "fallback_vs_sglang.md").write_text(markdown(rows, meta))

@@ -20,101 +20,22 @@ the fused-MoE Triton kernels run on the GPU with real TMA descriptors.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
+from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir
 
-SHAPES = {
-    # GLM-5.1-FP8 on 8 GPUs: 256 routed experts + the fused shared expert, N per shard, hidden 6144.
-    "glm51-fp8-tp8": dict(E=257, N=256, K=6144, topk=8),
-    # Two more shapes whose tuned H200 down configs say USE_TMA (hidden sizes chosen here).
-    "e80-n640": dict(E=80, N=640, K=4096, topk=8),
-    "e513-n512": dict(E=513, N=512, K=4096, topk=8),
-}
+import sglang_lora_tma_guard as guard
+from sglang_lora_tma_guard import tiny_moe
+from sglang_lora_tma_guard.inspection import sglang_version
+
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 
 
-def benchmark_parser(doc: str, tokens: list[int], shapes: bool = True) -> argparse.ArgumentParser:
-    """The options every H200 benchmark takes: --tokens, --out (default $OUT or results), --shapes."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    if shapes:
-        parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=tokens)
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"), type=Path)
-    return parser
-
-
-def results_dir(args) -> Path:
-    args.out.mkdir(parents=True, exist_ok=True)
-    return args.out
-
-
-def load_sglang():
-    if not torch.cuda.is_available():
-        sys.exit("h200_proof: needs a CUDA GPU")
-    from _sglang_env import portable_helper_ops
-
-    portable_helper_ops()
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    from sglang_lora_tma_guard import tiny_moe
-
-    return tiny_moe
-
-
-def lookup_configs(shape: dict, tokens: int):
-    """SGLang's own choice for this shape and batch size: (config, down_config, use_tma)."""
-    from sglang.kernels.ops.moe.fused_moe_triton_kernels import support_tensor_descriptor
-    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import (
-        try_get_optimal_moe_config,
-    )
-
-    E, N, K = shape["E"], shape["N"], shape["K"]
-    config, (down_config, _) = try_get_optimal_moe_config(
-        (E, 2 * N, K), (E, K, N), shape["topk"], "fp8_w8a8", tokens,
-        block_shape=[128, 128], return_down_config=True,
-    )
-    use_tma = bool(support_tensor_descriptor() and down_config is not None
-                   and down_config.pop("USE_TMA", False))
-    return dict(config), dict(down_config or config), use_tma
-
-
-def capture(fn):
-    """Capture ``fn`` in a CUDA graph; return (graph, its output tensor)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph, out
-
-
-def replay_ms(graph, replays=50, repeats=5) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(repeats):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / replays)
-    return best
-
-
-def host_us_per_call(fn, guard, calls=100, repeats=5) -> tuple[float, float]:
+def host_us_per_call(fn, calls=100, repeats=5) -> tuple[float, float]:
     """Host time per eager call, guard off and on, interleaved; best of ``repeats`` each."""
     best = {False: float("inf"), True: float("inf")}
     for _ in range(repeats):
@@ -130,7 +51,7 @@ def host_us_per_call(fn, guard, calls=100, repeats=5) -> tuple[float, float]:
     return best[False], best[True]
 
 
-def measure(tiny_moe, guard, shape_name: str, shape: dict, tokens: int, weights) -> dict:
+def measure(shape_name: str, shape: dict, tokens: int, weights) -> dict:
     config, down_config, use_tma = lookup_configs(shape, tokens)
     problem = tiny_moe.make_problem(
         num_tokens=tokens, topk=shape["topk"], rank=16, seed=tokens, device="cuda",
@@ -157,7 +78,7 @@ def measure(tiny_moe, guard, shape_name: str, shape: dict, tokens: int, weights)
     guarded = call(True, True)()
     tma_nohook_guarded = call(True, False)()
     g_good, out_good = capture(call(True, True))
-    unguarded_host, guarded_host = host_us_per_call(call(True, False), guard)
+    unguarded_host, guarded_host = host_us_per_call(call(True, False))
 
     eager_bad, eager_good = tiny_moe.compare(unguarded, reference), tiny_moe.compare(guarded, reference)
     graph_bad, graph_good = tiny_moe.compare(out_bad, out_ref), tiny_moe.compare(out_good, out_ref)
@@ -183,7 +104,7 @@ def measure(tiny_moe, guard, shape_name: str, shape: dict, tokens: int, weights)
     return row
 
 
-def compiled_caller_check(tiny_moe, guard, tokens=8) -> dict:
+def compiled_caller_check(tokens=8) -> dict:
     """A caller compiled with torch.compile (backend "eager") on the GPU: is the guard applied?"""
     shape = SHAPES["glm51-fp8-tp8"]
     config, down_config, _ = lookup_configs(shape, tokens)
@@ -237,16 +158,10 @@ def main(argv=None) -> int:
     args = benchmark_parser(__doc__, TOKENS).parse_args(argv)
     out = results_dir(args)
 
-    tiny_moe = load_sglang()
+    prepare_sglang()
     os.environ["SGLANG_LORA_TMA_GUARD"] = "1"
     from sglang.srt.plugins import load_plugins
 
-    import sglang_lora_tma_guard as guard
-    from sglang_lora_tma_guard import installed
-    from sglang_lora_tma_guard.inspection import sglang_version
-
-    installed.fused_moe_module()
-    installed.ensure_server_args()
     load_plugins()
     state = guard.status()
     if not state.installed:
@@ -263,14 +178,14 @@ def main(argv=None) -> int:
         weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
         for tokens in args.tokens:
             t0 = time.perf_counter()
-            rows.append(measure(tiny_moe, guard, name, shape, tokens, weights))
+            rows.append(measure(name, shape, tokens, weights))
             print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
             (out / "h200_proof.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
             (out / "h200_proof.md").write_text(markdown(rows, meta))
         del weights
         torch.cuda.empty_cache()
     print(markdown(rows, meta))
-    meta["torch_compile"] = compiled_caller_check(tiny_moe, guard)
+    meta["torch_compile"] = compiled_caller_check()
     print("torch.compile:", json.dumps(meta["torch_compile"]))
     (out / "h200_proof.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0

@@ -29,25 +29,17 @@ import time
 from pathlib import Path
 
 import torch
-from h200_proof import SHAPES, benchmark_parser, capture, load_sglang, lookup_configs, results_dir
+from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
+
+import sglang_lora_tma_guard as guard
+from sglang_lora_tma_guard import tiny_moe
+from sglang_lora_tma_guard.inspection import sglang_version
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import real_lora  # noqa: E402  (SGLang's LoRA hooks on a tiny problem, tests/harness)
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 RANKS = (8, 16, 32, 64)
-
-
-def replay_all(graphs: dict, replays=50, repeats=5) -> dict:
-    """Best ms per replay of each graph, the graphs interleaved within each repeat."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = {name: float("inf") for name in graphs}
-    for _ in range(repeats):
-        for name, graph in graphs.items():
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            best[name] = min(best[name], start.elapsed_time(end) / replays)
-    return best
 
 
 def cg_buffers(problem, loras: int) -> dict:
@@ -67,7 +59,7 @@ def cg_buffers(problem, loras: int) -> dict:
     }
 
 
-def measure(tiny_moe, real_lora, guard, capture_mode, shape_name, shape, tokens, weights, kinds) -> list[dict]:
+def measure(capture_mode, shape_name, shape, tokens, weights, kinds) -> list[dict]:
     config, down_config, use_tma = lookup_configs(shape, tokens)
     problem = tiny_moe.make_problem(
         num_tokens=tokens, topk=shape["topk"], rank=16, seed=tokens, device="cuda", dtype=torch.bfloat16,
@@ -111,7 +103,7 @@ def measure(tiny_moe, real_lora, guard, capture_mode, shape_name, shape, tokens,
         weight = call(True)
         g_weight, out_weight = graph(lambda: call(True))
         graphs = {"off": g_off, "weight": g_weight, "full": g_full, "nohook": g_nohook}
-        times = replay_all(graphs)
+        times = replay_times(graphs)
         row.update(
             rows_wrong_full_eager=tiny_moe.compare(full, reference).rows_wrong,
             rows_wrong_full_graph=tiny_moe.compare(out_full, out_ref).rows_wrong,
@@ -156,19 +148,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out = results_dir(args)
 
-    tiny_moe = load_sglang()
+    prepare_sglang()
     import triton
     from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
-    import sglang_lora_tma_guard as guard
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from harness import real_lora  # SGLang's LoRA hooks on a tiny problem (tests/harness)
-
-    from sglang_lora_tma_guard import installed
-    from sglang_lora_tma_guard.inspection import sglang_version
-
-    installed.fused_moe_module()
-    installed.ensure_server_args()
     meta = {"sglang": sglang_version(), "torch": torch.__version__, "triton": triton.__version__,
             "gpu": torch.cuda.get_device_name(0), "ranks": RANKS}
     print(json.dumps(meta), flush=True)
@@ -178,8 +161,7 @@ def main(argv=None) -> int:
         weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
         for tokens in args.tokens:
             t0 = time.perf_counter()
-            for row in measure(tiny_moe, real_lora, guard, model_capture_mode, name, shape, tokens, weights,
-                               args.hooks):
+            for row in measure(model_capture_mode, name, shape, tokens, weights, args.hooks):
                 rows.append(row)
                 print(json.dumps(row) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
             (out / "lora_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -10,26 +10,21 @@ stays SGLang's: the route list is padded to it.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
 
 import torch
-from h200_proof import SHAPES, capture, load_sglang, lookup_configs, replay_ms
+from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms
+
+from sglang_lora_tma_guard import fallback, tiny_moe
 
 TOKENS = [1, 8, 32, 64, 256, 1024, 4096, 8192]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
-    args = parser.parse_args(argv)
-    tiny_moe = load_sglang()
-    from sglang_lora_tma_guard import fallback, installed
-
-    installed.fused_moe_module()
-    installed.ensure_server_args()
+    args = benchmark_parser(__doc__, TOKENS, shapes=False).parse_args(argv)
+    prepare_sglang()
     shape = SHAPES["glm51-fp8-tp8"]
     weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
     for tokens in args.tokens:

@@ -28,7 +28,7 @@ from sglang_lora_tma_guard.inspection import TARGET_NAME, Strategy, inspect_targ
 def real_signature():
     """The installed SGLang's signature, or None when SGLang cannot be imported here."""
     try:
-        from _sglang_env import portable_helper_ops
+        from _bench import portable_helper_ops
 
         portable_helper_ops()
         with warnings.catch_warnings():
