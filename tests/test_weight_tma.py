@@ -178,9 +178,10 @@ def test_deactivate_leaves_nothing_behind(fm):
 
 @pytest.mark.real
 def test_weight_tma_holds_in_a_caller_compiled_by_torch_compile(fm, monkeypatch, launches):
-    # Dynamo cannot trace Triton's CPU interpreter, so the variant itself is made opaque to it (on
-    # a GPU Dynamo handles Triton kernels); the guard in front of it is traced as usual and must
-    # still route the hooked call there.
+    # Dynamo cannot trace Triton's CPU interpreter, so the variant itself is made opaque to it; the
+    # guard in front of it is traced as usual and must still route the hooked call there. (On an
+    # H200 with the server kit Dynamo fails inside Triton's launcher on this path and on SGLang's
+    # own non-TMA one: README, "Measured on an H200".)
     build = weight_tma.build
     monkeypatch.setattr(weight_tma, "build", lambda f: torch._dynamo.disable(build(f)))
     problem = tiny_moe.make_problem(num_tokens=5, seed=5)
