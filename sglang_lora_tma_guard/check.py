@@ -27,6 +27,7 @@ on a model: without the guard, LoRA is wrong on models whose shared expert SGLan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -243,13 +244,17 @@ def guard_report(strategy: Strategy) -> GuardReport:
         (ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME), None
     )
     allow = os.environ.get("SGLANG_PLUGINS") or None
-    installs, installed = _try_the_wrapper(weight_tma=not switch.plain) if strategy.installs_wrapper else (None, None)
+    with _trial_lines_quiet(logging.WARNING):  # a variant that did not build still says so
+        installs, installed = (_try_the_wrapper(weight_tma=not switch.plain) if strategy.installs_wrapper
+                               else (None, None))
+    with _trial_lines_quiet(logging.ERROR):  # the trial's LoRA server is no user's
+        fusion_trial = _try_the_fusion_fix()
     return GuardReport(
         switch=SwitchReport(ENV_VAR, switch.value, switch.enabled, switch.valid, switch.plain),
         entry_point=None if entry is None else f"{entry.name} = {entry.value}",
         sglang_plugins=allow,
         admitted_by_sglang_plugins=allow is None or ENTRY_POINT_NAME in {x.strip() for x in allow.split(",")},
-        shared_expert_fix=_try_the_fusion_fix(),
+        shared_expert_fix=fusion_trial,
         wrapper_installs=installs,
         installed_strategy=installed,
     )
@@ -268,9 +273,6 @@ def _try_the_fusion_fix() -> FusionFixTrial:
         return FusionFixTrial(None, False, f"{type(exc).__name__}: {exc}")
     hook = f"ServerArgs.{fusion.resolution_method(ServerArgs)}"
     was_active = fusion.active()
-    logger = logging.getLogger("sglang_lora_tma_guard")
-    level = logger.level
-    logger.setLevel(logging.ERROR)  # the trial's "fusion is turned off" line is not news here
     try:
         fusion.activate()
         HookRegistry.apply_hooks()
@@ -284,20 +286,28 @@ def _try_the_fusion_fix() -> FusionFixTrial:
     finally:
         if not was_active:
             fusion.deactivate()
-        logger.setLevel(level)
 
 
 def _try_the_wrapper(weight_tma: bool) -> tuple[bool, Strategy | None]:
     """Install and remove the wrapper in this process, as a server process would install it."""
-    logger = logging.getLogger("sglang_lora_tma_guard")
-    level, was_active = logger.level, guard.status().active
-    logger.setLevel(logging.WARNING)  # the trial's install/remove lines are not news here
+    was_active = guard.status().active
     try:
         state = guard.activate(weight_tma=weight_tma)
         return state.installed, state.strategy
     finally:
         if not was_active:
             guard.deactivate()
+
+
+@contextlib.contextmanager
+def _trial_lines_quiet(below: int):
+    """A trial's routine lines (install, remove, "fusion is turned off") are not news in a check."""
+    logger = logging.getLogger("sglang_lora_tma_guard")
+    level = logger.level
+    logger.setLevel(below)
+    try:
+        yield
+    finally:
         logger.setLevel(level)
 
 
@@ -399,7 +409,8 @@ def _fusion_part(report: Report) -> tuple[str, str]:
                        + "; ".join(missing) + "): give --model-path to know about yours")
 
 
-def _missing_for_protection(guarded: GuardReport) -> list[str]:
+def _missing_for_the_plugin(guarded: GuardReport) -> list[str]:
+    """What keeps SGLang from loading the plugin with the switch on (both fixes need it)."""
     missing = []
     if not guarded.switch.enabled:
         missing.append(f"set {ENV_VAR}=1 in the server's environment")
@@ -407,6 +418,11 @@ def _missing_for_protection(guarded: GuardReport) -> list[str]:
         missing.append("reinstall sglang-lora-tma-guard (its entry point is not registered)")
     if not guarded.admitted_by_sglang_plugins:
         missing.append(f"add {ENTRY_POINT_NAME} to SGLANG_PLUGINS")
+    return missing
+
+
+def _missing_for_protection(guarded: GuardReport) -> list[str]:
+    missing = _missing_for_the_plugin(guarded)
     if not guarded.wrapper_installs:
         missing.append("report this: the wrapper did not install on this SGLang")
     return missing
@@ -414,7 +430,7 @@ def _missing_for_protection(guarded: GuardReport) -> list[str]:
 
 def _missing_for_fusion_fix(guarded: GuardReport) -> list[str]:
     fix = guarded.shared_expert_fix
-    missing = [m for m in _missing_for_protection(guarded) if not m.startswith("report this")]
+    missing = _missing_for_the_plugin(guarded)
     if not fix.lora_server_fusion_off:
         missing.append(f"report this: the shared-expert fix did not take on this SGLang ({fix.error})")
     return missing
