@@ -94,7 +94,10 @@ class ReferenceLoRAHooks:
     """SGLang's ``LoRAHooks`` contract in plain PyTorch, from a ``LoRAInfo``.
 
     A route to an expert the LoRA buffers do not hold (a fused shared expert: the runner counts
-    one more expert than the adapters have) gets no delta.
+    one more expert than the adapters have) or filtered out (-1) gets no delta; so do tokens of the
+    base model (-1) and of a disabled slot. Gated (gate-up A of ``2 * r`` rows: the gate half from
+    the gate ranks, the up half from the up ranks) or not; shared-outer adapters (one gate-up A and
+    one down B for every expert) read that one matrix.
     """
 
     def __init__(self, info):
@@ -104,7 +107,7 @@ class ReferenceLoRAHooks:
 
     def _routes(self, topk_ids):
         info = self.info
-        experts = info.gate_up_lora_a_weights.shape[1]
+        experts = info.gate_up_lora_b_weights.shape[1]
         enabled = info.adapter_enabled.tolist()
         for t, adapter in enumerate(info.token_lora_mapping.tolist()):
             if adapter < 0 or not enabled[adapter]:
@@ -113,18 +116,23 @@ class ReferenceLoRAHooks:
                 if 0 <= e < experts:
                     yield t, j, adapter, e
 
+    @staticmethod
+    def _of(weights, a, e):
+        return weights[a, e if weights.shape[1] > 1 else 0].float()
+
     def _after_gate_up(self, hidden_states, cache1, topk_weights, topk_ids):
         info, r = self.info, self.info.max_lora_rank
+        gated = info.gate_up_lora_a_weights.shape[2] > r
         half = cache1.shape[-1] // 2
         for t, j, a, e in self._routes(topk_ids):
             x = hidden_states[t].float()
-            A, B = info.gate_up_lora_a_weights[a, e].float(), info.gate_up_lora_b_weights[a, e].float()
-            delta = torch.cat([B[:half] @ (A[:r] @ x), B[half:] @ (A[r:2 * r] @ x)])
+            A, B = self._of(info.gate_up_lora_a_weights, a, e), self._of(info.gate_up_lora_b_weights, a, e)
+            delta = torch.cat([B[:half] @ (A[:r] @ x), B[half:] @ (A[r:2 * r] @ x)]) if gated else B @ (A @ x)
             cache1[t, j] += delta.to(cache1.dtype)
 
     def _after_down(self, activation, cache3, topk_weights, topk_ids):
         info, topk = self.info, cache3.shape[1]
         for t, j, a, e in self._routes(topk_ids):
             x = activation[t * topk + j].float()
-            A, B = info.down_lora_a_weights[a, e].float(), info.down_lora_b_weights[a, e].float()
+            A, B = self._of(info.down_lora_a_weights, a, e), self._of(info.down_lora_b_weights, a, e)
             cache3[t, j] += (topk_weights[t, j].float() * (B @ (A @ x))).to(cache3.dtype)

@@ -69,6 +69,12 @@ class Adapters:
     lora_experts: int | None = None
     """Experts in the LoRA buffers; None: as many as the runner (see the fused-shared-expert test)."""
     scale: float = 0.3
+    gated: bool = True
+    """Gate-up A with gate and up ranks (``2 * r`` rows), as for SwiGLU; False: one projection."""
+    shared_outer: bool = False
+    """``experts_shared_outer_loras``: one gate-up A and one down B per adapter for every expert."""
+    virtual_experts: bool = False
+    """``--lora-use-virtual-experts``: SGLang's ``merged_experts_fused_moe_lora_add`` path."""
 
 
 def make_lora_info(problem: MoEProblem, adapters: Adapters | None = None, *, seed: int = 0, cg_buffers=None):
@@ -84,8 +90,9 @@ def make_lora_info(problem: MoEProblem, adapters: Adapters | None = None, *, see
     loras, rank = len(adapters.ranks), max(adapters.ranks)
     gen = torch.Generator(device=device).manual_seed(seed)
 
-    def weights(rows, cols, ranks_on_rows):
-        w = torch.randn(loras, experts, rows, cols, generator=gen, device=device, dtype=dtype) * adapters.scale
+    def weights(rows, cols, ranks_on_rows, shared=False):
+        w = torch.randn(loras, 1 if shared else experts, rows, cols, generator=gen, device=device,
+                        dtype=dtype) * adapters.scale
         for slot, r in enumerate(adapters.ranks):  # padded rank rows/columns stay zero, as in SGLang
             if ranks_on_rows:
                 w[slot, :, r:rank] = 0
@@ -93,10 +100,11 @@ def make_lora_info(problem: MoEProblem, adapters: Adapters | None = None, *, see
                 w[slot, :, :, r:] = 0
         return w
 
-    gate_up_a = torch.cat([weights(rank, hidden, True), weights(rank, hidden, True)], dim=2)  # gate, up
-    gate_up_b = weights(2 * intermediate, rank, False)
+    shared, halves = adapters.shared_outer, 2 if adapters.gated else 1
+    gate_up_a = torch.cat([weights(rank, hidden, True, shared) for _ in range(halves)], dim=2)  # gate, up
+    gate_up_b = weights(halves * intermediate, rank, False)
     down_a = weights(rank, intermediate, True)
-    down_b = weights(hidden, rank, False)
+    down_b = weights(hidden, rank, False, shared)
 
     segments, owners = _segments(tokens, adapters)
     seg_indptr = torch.tensor([0, *torch.tensor(segments).cumsum(0).tolist()], dtype=torch.int32)
@@ -118,6 +126,8 @@ def make_lora_info(problem: MoEProblem, adapters: Adapters | None = None, *, see
         has_active_lora=True,
         cg_buffers=cg_buffers,
         hidden_size=hidden,
+        experts_shared_outer_loras=adapters.shared_outer,
+        lora_use_virtual_experts=adapters.virtual_experts,
     )
 
 

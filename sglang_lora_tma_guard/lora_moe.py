@@ -1,0 +1,299 @@
+"""Multi-LoRA MoE deltas as virtual experts: one grouped shrink and one grouped expand per hook.
+
+Each (token, route) pair of a batch belongs to one *virtual expert*: its adapter slot times the
+experts in the LoRA buffers, plus its expert. Pairs are grouped by virtual expert into blocks of
+``BLOCK_M`` rows (:func:`route`, three small kernels, no host sync), and each hook's delta is two
+grouped GEMMs over those blocks (:func:`add_delta`):
+
+- shrink: ``t[pair, :r] = x[pair] @ A[adapter, expert][:r].T`` (``x``: the token's hidden state for
+  gate-up, the pair's activation for down);
+- expand: ``out[pair] += (t[pair, :r] @ B[adapter, expert][:, :r].T) * routed weight (down only)``.
+
+What makes it right where SGLang 0.5.11-0.5.22's ``merged_experts_fused_moe_lora_add`` is not: for a
+gated MoE the gate-up A holds ``2 * max_rank`` rows (gate, then up) and B ``2 * I`` rows; the shrink
+writes both halves' ranks and the expand's *gate* half reads the gate ranks and its *up* half the up
+ranks (SGLang's path expands both halves from the gate ranks). What makes it fast: only an adapter's
+true rank is computed (``lora_ranks``), blocks are grouped by virtual expert so each block reads one
+adapter's weights for one expert once, and grids are sized from the batch (idle blocks exit at once).
+
+No delta for: tokens of the base model (adapter ``-1``), disabled slots or slots of rank 0, routes
+filtered out (expert ``-1``) and routes to experts the LoRA buffers do not hold (a fused shared
+expert's id). Shared-outer adapters (``experts_shared_outer_loras``: one gate-up A and one down B per
+adapter) read their one matrix for every expert (expert stride 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# --------------------------------------------------------------------------------------------------
+# Routing: pairs grouped by virtual expert (adapter * experts + expert), blocks of BLOCK_M rows.
+
+
+@triton.jit
+def _count_kernel(
+    topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,  # inputs
+    counts_ptr, keys_ptr, slots_ptr,  # outputs: pairs per key; each pair's key (-1: no delta) and slot
+    num_pairs, num_loras, num_experts,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_pairs
+    expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    adapter = tl.load(token_lora_ptr + offs // TOPK, mask=in_range, other=-1).to(tl.int32)
+    known = in_range & (adapter >= 0) & (adapter < num_loras)
+    adapter = tl.where(known, adapter, 0)
+    enabled = tl.load(enabled_ptr + adapter, mask=known, other=0) != 0
+    rank = tl.load(ranks_ptr + adapter, mask=known, other=0)
+    wanted = known & enabled & (rank > 0) & (expert >= 0) & (expert < num_experts)
+    key = tl.where(wanted, adapter * num_experts + expert, 0)
+    slot = tl.atomic_add(counts_ptr + key, 1, mask=wanted)
+    tl.store(keys_ptr + offs, tl.where(wanted, key, -1), mask=in_range)
+    tl.store(slots_ptr + offs, slot, mask=in_range)
+
+
+@triton.jit
+def _offsets_kernel(
+    counts_ptr, offsets_ptr, total_ptr, sorted_ptr,
+    num_keys, num_rows, num_pairs,
+    BLOCK_M: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_FILL: tl.constexpr,
+):
+    """One program: each key's first row (counts padded to BLOCK_M), the rows in use, and every row
+    marked empty (``num_pairs``) before the pairs are scattered into them."""
+    running = tl.full((), 0, tl.int32)
+    for start in range(0, num_keys, BLOCK_KEYS):
+        idx = start + tl.arange(0, BLOCK_KEYS)
+        count = tl.load(counts_ptr + idx, mask=idx < num_keys, other=0)
+        padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(offsets_ptr + idx, running + tl.cumsum(padded, 0) - padded, mask=idx < num_keys)
+        running += tl.sum(padded, 0)
+    tl.store(total_ptr, running)
+    for start in range(0, num_rows, BLOCK_FILL):
+        idx = start + tl.arange(0, BLOCK_FILL)
+        tl.store(sorted_ptr + idx, num_pairs, mask=idx < num_rows)
+
+
+@triton.jit
+def _scatter_kernel(
+    keys_ptr, slots_ptr, offsets_ptr,  # inputs
+    sorted_ptr, block_key_ptr,  # outputs: pair of each row; key of each block
+    num_pairs,
+    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(keys_ptr + offs, mask=offs < num_pairs, other=-1)
+    wanted = key >= 0
+    key = tl.where(wanted, key, 0)
+    row = tl.load(offsets_ptr + key, mask=wanted, other=0) + tl.load(slots_ptr + offs, mask=wanted, other=0)
+    tl.store(sorted_ptr + row, offs, mask=wanted)
+    tl.store(block_key_ptr + row // BLOCK_M, key, mask=wanted)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A batch's pairs grouped by virtual expert: ``sorted_ids[row]`` is a pair (``num_pairs``:
+    empty row), ``block_key[block]`` its virtual expert, ``rows_used`` (one int32 on the device) how
+    many rows hold pairs; blocks at or past it exit at once."""
+
+    sorted_ids: torch.Tensor
+    block_key: torch.Tensor
+    rows_used: torch.Tensor
+    block_m: int
+    num_pairs: int
+    num_experts: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_key.numel()
+
+
+def max_rows(num_pairs: int, num_keys: int, block_m: int) -> int:
+    """Rows the grouping can need: each pair once, plus padding for each key in use (at most
+    ``min(pairs, keys)`` of them), rounded to whole blocks."""
+    rows = num_pairs + min(num_pairs, num_keys) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def route(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: torch.Tensor,
+          lora_ranks: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """Group the batch's pairs by virtual expert (see the module docstring for who gets no delta)."""
+    tokens, topk = topk_ids.shape
+    num_pairs, num_loras = tokens * topk, lora_ranks.numel()
+    num_keys = num_loras * num_experts
+    rows = max_rows(num_pairs, num_keys, block_m)
+    device, i32 = topk_ids.device, torch.int32
+    counts = torch.zeros(num_keys, dtype=i32, device=device)
+    scratch = torch.empty(2 * num_pairs + num_keys + 1 + rows + rows // block_m, dtype=i32, device=device)
+    keys, slots, offsets, rows_used, sorted_ids, block_key = torch.split(
+        scratch, [num_pairs, num_pairs, num_keys, 1, rows, rows // block_m])
+    grid = (max(1, triton.cdiv(num_pairs, 1024)),)
+    _count_kernel[grid](topk_ids.contiguous(), token_lora, adapter_enabled, lora_ranks, counts, keys, slots,
+                        num_pairs, num_loras, num_experts, TOPK=topk, BLOCK=1024)
+    _offsets_kernel[(1,)](counts, offsets, rows_used, sorted_ids, num_keys, rows, num_pairs,
+                          BLOCK_M=block_m, BLOCK_KEYS=1024, BLOCK_FILL=1024)
+    _scatter_kernel[grid](keys, slots, offsets, sorted_ids, block_key, num_pairs, BLOCK_M=block_m, BLOCK=1024)
+    return Routing(sorted_ids, block_key, rows_used, block_m, num_pairs, num_experts)
+
+
+# --------------------------------------------------------------------------------------------------
+# The two grouped GEMMs of one hook.
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, t_ptr,  # x: (rows of x, K); A: (slots, experts or 1, halves * max_rank, K); t: (pairs, halves * max_rank) fp32
+    sorted_ptr, block_key_ptr, rows_used_ptr, ranks_ptr,
+    num_pairs, K, num_experts, max_rank,
+    stride_xm, stride_xk, stride_al, stride_ae, stride_ar, stride_ak, stride_tm,
+    PAIRS_PER_X: tl.constexpr,  # topk when x holds one row per token (gate-up), 1 for one per pair (down)
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_r, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
+        return
+    key = tl.load(block_key_ptr + pid_m)
+    adapter, expert = key // num_experts, key % num_experts
+    rank = tl.load(ranks_ptr + adapter)
+    tiles = tl.cdiv(max_rank, BLOCK_R)
+    half, r0 = pid_r // tiles, (pid_r % tiles) * BLOCK_R
+    if r0 >= rank:
+        return  # past this adapter's true rank: nothing to compute
+
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair_ok = pairs < num_pairs
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pairs // PAIRS_PER_X)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = (a_ptr + adapter.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+              + (half * max_rank + offs_r)[None, :] * stride_ar + offs_k[:, None] * stride_ak)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
+        k_ok = offs_k < K - (k0 - pid_k * BLOCK_K)
+        x = tl.load(x_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc += tl.dot(x, a)
+        x_ptrs += SPLIT_K * BLOCK_K * stride_xk
+        a_ptrs += SPLIT_K * BLOCK_K * stride_ak
+
+    t_ptrs = t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :]
+    t_mask = pair_ok[:, None] & r_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(t_ptrs, acc, mask=t_mask)
+    else:
+        tl.atomic_add(t_ptrs, acc, mask=t_mask, sem="relaxed")
+
+
+@triton.jit
+def _expand_kernel(
+    t_ptr, b_ptr, out_ptr, weights_ptr,  # B: (slots, experts or 1, halves * half_width, max_rank); out: (tokens, topk, N)
+    sorted_ptr, block_key_ptr, rows_used_ptr, ranks_ptr,
+    num_pairs, half_width, num_experts, max_rank,
+    stride_tm, stride_bl, stride_be, stride_bn, stride_br, stride_ot, stride_ok, stride_on,
+    TOPK: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
+        return
+    key = tl.load(block_key_ptr + pid_m)
+    adapter, expert = key // num_experts, key % num_experts
+    rank = tl.load(ranks_ptr + adapter)
+    tiles = tl.cdiv(half_width, BLOCK_N)
+    half = pid_n // tiles  # gate (0) or up (1) half of a gated gate-up; always 0 otherwise
+    offs_n = half * half_width + (pid_n % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < (half + 1) * half_width
+
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair_ok = pairs < num_pairs
+    offs_r = tl.arange(0, BLOCK_R)
+    t_ptrs = t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :]
+    b_ptrs = (b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+              + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):  # this half's own ranks, up to the adapter's true rank
+        r_ok = offs_r < rank - r0
+        t = tl.load(t_ptrs, mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(t.to(b.dtype), b)
+        t_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R * stride_br
+    if MUL_ROUTED_WEIGHT:
+        acc *= tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+
+    o_ptrs = out_ptr + (pairs // TOPK)[:, None] * stride_ot + (pairs % TOPK)[:, None] * stride_ok + offs_n[None, :] * stride_on
+    o_mask = pair_ok[:, None] & n_ok[None, :]
+    old = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Tiles of one hook's two GEMMs (``BLOCK_M`` is the routing's)."""
+
+    shrink_block_r: int = 16
+    shrink_block_k: int = 128
+    split_k: int = 1
+    shrink_warps: int = 4
+    shrink_stages: int = 3
+    expand_block_n: int = 64
+    expand_block_r: int = 16
+    expand_warps: int = 4
+    expand_stages: int = 2
+
+
+def _expert_stride(w: torch.Tensor) -> int:
+    """Shared-outer weights hold one matrix per adapter for every expert: stride 0 reads it for each."""
+    return 0 if w.shape[1] == 1 else w.stride(1)
+
+
+def add_delta(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              routing: Routing, lora_ranks: torch.Tensor, *, max_rank: int, halves: int,
+              topk_weights: torch.Tensor | None = None, config: StageConfig = StageConfig()) -> None:
+    """``out[t, j] += delta`` for every pair the routing holds, in place.
+
+    ``out``: (tokens, topk, halves * half_width), route-major; ``x``: (tokens, K) for gate-up (one row
+    per token) or (tokens * topk, K) for down (one row per pair); ``lora_a``: (slots, experts or 1,
+    halves * max_rank, K); ``lora_b``: (slots, experts or 1, halves * half_width, max_rank);
+    ``topk_weights``: scale each pair's delta by its routed weight (the down hook).
+    """
+    tokens, topk, width = out.shape
+    num_pairs = tokens * topk
+    assert num_pairs == routing.num_pairs, (out.shape, routing.num_pairs)
+    assert x.dim() == 2 and x.shape[0] in (tokens, num_pairs), (x.shape, out.shape)
+    assert lora_a.shape[2] == halves * max_rank and lora_a.shape[3] == x.shape[1], (lora_a.shape, x.shape)
+    assert lora_b.shape[2] == width and lora_b.shape[3] == max_rank and width % halves == 0, (lora_b.shape, out.shape)
+    assert x.dtype == lora_a.dtype == lora_b.dtype == out.dtype, (x.dtype, lora_a.dtype, lora_b.dtype, out.dtype)
+    if num_pairs == 0 or max_rank == 0:
+        return
+    K, half_width, c = x.shape[1], width // halves, config
+    pairs_per_x = topk if x.shape[0] == tokens and topk > 1 else 1
+    alloc = torch.zeros if c.split_k > 1 else torch.empty
+    t = alloc(num_pairs, halves * max_rank, dtype=torch.float32, device=x.device)
+    blocks = routing.max_blocks
+    _shrink_kernel[(blocks, halves * triton.cdiv(max_rank, c.shrink_block_r), c.split_k)](
+        x, lora_a, t, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
+        num_pairs, K, routing.num_experts, max_rank,
+        x.stride(0), x.stride(1), lora_a.stride(0), _expert_stride(lora_a), lora_a.stride(2), lora_a.stride(3),
+        t.stride(0),
+        PAIRS_PER_X=pairs_per_x, SPLIT_K=c.split_k,
+        BLOCK_M=routing.block_m, BLOCK_R=c.shrink_block_r, BLOCK_K=c.shrink_block_k,
+        num_warps=c.shrink_warps, num_stages=c.shrink_stages,
+    )
+    weights = topk_weights.reshape(-1) if topk_weights is not None else t
+    _expand_kernel[(blocks, halves * triton.cdiv(half_width, c.expand_block_n))](
+        t, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
+        num_pairs, half_width, routing.num_experts, max_rank,
+        t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        TOPK=topk, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        BLOCK_M=routing.block_m, BLOCK_N=c.expand_block_n, BLOCK_R=c.expand_block_r,
+        num_warps=c.expand_warps, num_stages=c.expand_stages,
+    )

@@ -1,0 +1,323 @@
+"""SGLang's LoRA MoE hooks, built by :mod:`~sglang_lora_tma_guard.lora_moe` where that is right or fast.
+
+SGLang's MoE runner builds a batch's LoRA hooks with ``sglang.srt.lora.lora_moe_runners.build_lora_hooks``,
+looked up at call time (0.5.11-0.5.23), so that module attribute is the seam: a plain
+``functools.wraps`` closure (traced by TorchDynamo like any function) placed with wrapt's
+``wrap_object`` and taken away with ``unwrap_object``. What it builds, by mode:
+
+- ``fast`` (``SGLANG_LORA_TMA_GUARD=fast``): every batch it covers gets the virtual-experts hooks of
+  :mod:`~sglang_lora_tma_guard.lora_moe` (each adapter's true rank, gate and up halves from their
+  own A and B); what it does not cover goes to SGLang's hooks, with one log line per reason.
+- ``correct`` (the guard's other values): only where SGLang's own virtual-experts path is wrong
+  (``--lora-use-virtual-experts`` on a gated MoE, SGLang 0.5.11-0.5.22: the up half of the gate-up
+  delta computed from the gate half's A) are the hooks replaced; everything else is SGLang's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import wrapt
+
+from . import lora_moe
+from .guard import Engaged
+
+logger = logging.getLogger("sglang_lora_tma_guard")
+
+MODULE = "sglang.srt.lora.lora_moe_runners"
+NAME = "build_lora_hooks"
+TARGET = f"{MODULE}.{NAME}"
+
+
+class Mode(str, Enum):
+    FAST = "fast"
+    """Every covered batch on the virtual-experts hooks of this package."""
+    CORRECT = "correct"
+    """SGLang's hooks, except its virtual-experts path where that is wrong (replaced by this package's)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# What the package's hooks cover, and the hooks.
+
+
+def _capturing(module) -> bool:
+    probe = getattr(module, "get_is_capture_mode", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def is_gated(lora_info) -> bool:
+    """SGLang's own test: a gated gate-up A holds gate and up ranks, ``2 * max_lora_rank`` rows."""
+    return lora_info.gate_up_lora_a_weights.shape[2] > lora_info.max_lora_rank
+
+
+def not_covered(lora_info, hidden_states: torch.Tensor, topk_ids: torch.Tensor) -> str | None:
+    """Why this batch goes to SGLang's hooks, or None: the package's hooks compute it."""
+    r = int(lora_info.max_lora_rank)
+    ga, gb = lora_info.gate_up_lora_a_weights, lora_info.gate_up_lora_b_weights
+    da, db = lora_info.down_lora_a_weights, lora_info.down_lora_b_weights
+    if getattr(lora_info, "fully_sharded", False) and getattr(lora_info, "tp_size", 1) > 1:
+        return "fully sharded LoRA weights (--enable-lora-fully-sharded at tp > 1)"
+    device = hidden_states.device.type
+    if device != "cuda" and not (device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return f"tensors on {device}, not a CUDA device"
+    if hidden_states.dtype not in (torch.bfloat16, torch.float16):
+        return f"activations in {hidden_states.dtype}"
+    if any(w is None or w.dim() != 4 or w.dtype != hidden_states.dtype for w in (ga, gb, da, db)):
+        return "LoRA weights of another shape or dtype than the activations"
+    experts = gb.shape[1]
+    halves = ga.shape[2] // r if r else 0
+    if (halves not in (1, 2) or ga.shape[2] != halves * r or gb.shape[3] != r or da.shape[2] != r
+            or db.shape[3] != r or da.shape[1] != experts or ga.shape[1] not in (1, experts)
+            or db.shape[1] not in (1, experts) or ga.shape[3] != hidden_states.shape[-1]
+            or gb.shape[2] % halves):
+        return (f"LoRA buffers of an unexpected layout (gate-up A {tuple(ga.shape)}, B {tuple(gb.shape)}, "
+                f"down A {tuple(da.shape)}, B {tuple(db.shape)}, rank {r})")
+    if topk_ids is None or topk_ids.dim() != 2 or hidden_states.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
+        return "routing of an unexpected shape"
+    mapping = getattr(lora_info, "token_lora_mapping", None)
+    if mapping is not None and mapping.shape[0] != topk_ids.shape[0]:
+        return f"a token-to-adapter map of {mapping.shape[0]} tokens for {topk_ids.shape[0]}"
+    return None
+
+
+def token_adapters(lora_info, tokens: int) -> torch.Tensor:
+    """Each token's adapter slot (-1: none). SGLang 0.5.16+ gives it; before, from the segments."""
+    mapping = getattr(lora_info, "token_lora_mapping", None)
+    if mapping is not None:
+        return mapping.to(torch.int32)
+    seg_indptr, owners = lora_info.seg_indptr, lora_info.req_to_lora
+    positions = torch.arange(tokens, device=seg_indptr.device, dtype=seg_indptr.dtype)
+    segment = torch.searchsorted(seg_indptr, positions, right=True) - 1
+    inside = (segment >= 0) & (segment < owners.numel())
+    adapter = owners.to(torch.int32)[segment.clamp(0, max(owners.numel() - 1, 0))]
+    return torch.where(inside, adapter, torch.full_like(adapter, -1))
+
+
+def block_m_for(num_pairs: int, num_keys: int) -> int:
+    """Rows per block: about the pairs each virtual expert gets, 16 to 64."""
+    per_key = num_pairs / max(1, min(num_pairs, num_keys))
+    return 16 if per_key <= 16 else 32 if per_key <= 32 else 64
+
+
+def stage_config(num_pairs: int, num_keys: int, k: int, max_rank: int, halves: int) -> lora_moe.StageConfig:
+    """Tiles for one hook: tuned H200 tiles where shipped, else a rule of thumb (see ``tuning``)."""
+    from . import tuning
+
+    return tuning.lookup(num_pairs, num_keys, k, max_rank, halves)
+
+
+@dataclass
+class _Batch:
+    """What both hooks of one batch share: its routing, built once."""
+
+    routing: lora_moe.Routing
+    topk_shape: tuple
+
+
+def build_hooks(original, hidden_states, lora_info, topk_ids):
+    """This package's hooks for the batch, or SGLang's (``original``) where it is not covered."""
+    module = sys.modules.get(MODULE)
+    if lora_info is None or lora_info.max_lora_rank == 0:
+        return original(hidden_states, lora_info, topk_ids)
+    if not _capturing(module) and not getattr(lora_info, "has_active_lora", True):
+        return original(hidden_states, lora_info, topk_ids)  # no adapter in the batch: SGLang skips it
+    reason = not_covered(lora_info, hidden_states, topk_ids)
+    if reason is not None:
+        _say_once(reason)
+        return original(hidden_states, lora_info, topk_ids)
+
+    tokens, topk = topk_ids.shape
+    experts = lora_info.gate_up_lora_b_weights.shape[1]
+    ranks, enabled = lora_info.lora_ranks.to(torch.int32), lora_info.adapter_enabled.to(torch.int32)
+    keys = ranks.numel() * experts
+    r, halves = int(lora_info.max_lora_rank), 2 if is_gated(lora_info) else 1
+    block_m = block_m_for(tokens * topk, keys)
+    routing = lora_moe.route(topk_ids, token_adapters(lora_info, tokens), enabled, ranks, experts, block_m)
+    gate_up_config = stage_config(tokens * topk, keys, hidden_states.shape[1], r, halves)
+    down_config = stage_config(tokens * topk, keys, lora_info.down_lora_a_weights.shape[3], r, 1)
+    shape = tuple(topk_ids.shape)
+    theirs = []
+
+    def sglang_hooks():  # built only if a call comes in a shape this batch's routing does not fit
+        if not theirs:
+            theirs.append(original(hidden_states, lora_info, topk_ids))
+        return theirs[0]
+
+    def after_gate_up(hidden, cache1, topk_weights, topk_ids_now):
+        if tuple(topk_ids_now.shape) != shape or tuple(cache1.shape[:2]) != shape or hidden.shape[0] != tokens:
+            return sglang_hooks().after_gate_up(hidden, cache1, topk_weights, topk_ids_now)
+        lora_moe.add_delta(cache1, hidden, lora_info.gate_up_lora_a_weights, lora_info.gate_up_lora_b_weights,
+                           routing, ranks, max_rank=r, halves=halves, config=gate_up_config)
+
+    def after_down(activation, cache3, topk_weights, topk_ids_now):
+        if (tuple(topk_ids_now.shape) != shape or tuple(cache3.shape[:2]) != shape
+                or activation.shape[0] != tokens * topk):
+            return sglang_hooks().after_down(activation, cache3, topk_weights, topk_ids_now)
+        lora_moe.add_delta(cache3, activation, lora_info.down_lora_a_weights, lora_info.down_lora_b_weights,
+                           routing, ranks, max_rank=r, halves=1, topk_weights=topk_weights, config=down_config)
+
+    return module.LoRAHooks(after_gate_up=after_gate_up, after_down=after_down)
+
+
+_said: set[str] = set()
+
+
+def _say_once(reason: str) -> None:
+    if reason not in _said:
+        _said.add(reason)
+        logger.warning("sglang-lora-tma-guard: this LoRA MoE batch goes to SGLang's own LoRA hooks: %s "
+                       "(logged once)", reason)
+
+
+# --------------------------------------------------------------------------------------------------
+# SGLang's virtual-experts path: wrong on gated MoE up to 0.5.22.
+
+
+def virtual_experts_fixed_upstream(module) -> bool:
+    """SGLang 0.5.23 gives each half of a gated gate-up its own A (``a_output_slices``). Read from
+    the installed code, not the version; source that cannot be read counts as not fixed (this
+    package's hooks are right either way)."""
+    try:
+        return "a_output_slices" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+
+
+def replaces(mode: Mode, lora_info, ve_fixed: bool) -> bool:
+    """Does this batch get the package's hooks in ``mode``?"""
+    if lora_info is None:
+        return False
+    if mode is Mode.FAST:
+        return True
+    return (bool(getattr(lora_info, "lora_use_virtual_experts", False)) and not ve_fixed
+            and lora_info.max_lora_rank > 0 and is_gated(lora_info))
+
+
+# --------------------------------------------------------------------------------------------------
+# Install and removal.
+
+
+@dataclass
+class _State:
+    mode: Mode | None = None
+    """Wanted mode; None: not wanted."""
+    watching: bool = False
+    wrapper: object = None
+    engaged: Engaged | None = None
+    ve_fixed: bool = False
+
+
+_lock = threading.RLock()
+_state: _State = globals().get("_state") or _State()
+
+
+def make_build(original, state: _State, engaged: Engaged):
+    @functools.wraps(original)
+    def build_lora_hooks(hidden_states, lora_info, topk_ids):
+        mode = state.mode
+        if engaged.on and mode is not None and replaces(mode, lora_info, state.ve_fixed):
+            return build_hooks(original, hidden_states, lora_info, topk_ids)
+        return original(hidden_states, lora_info, topk_ids)
+
+    return build_lora_hooks
+
+
+def _install(module) -> None:
+    if _state.wrapper is not None or not callable(getattr(module, NAME, None)) or not hasattr(module, "LoRAHooks"):
+        if not hasattr(module, NAME):
+            logger.warning("sglang-lora-tma-guard: %s not found; SGLang's LoRA MoE hooks are left as they are", TARGET)
+        return
+    _state.ve_fixed = virtual_experts_fixed_upstream(module)
+    _state.engaged = Engaged()
+    _state.wrapper = wrapt.wrap_object(module, NAME, make_build, (_state, _state.engaged))
+    if _state.mode is Mode.FAST:
+        logger.info("sglang-lora-tma-guard: LoRA MoE deltas on the fast virtual-experts path (%s)", TARGET)
+    elif not _state.ve_fixed:
+        logger.info("sglang-lora-tma-guard: --lora-use-virtual-experts on a gated MoE is corrected "
+                    "(SGLang's path computes the up half from the gate half's A)")
+
+
+def _on_import(module) -> None:
+    try:
+        with _lock:
+            if _state.mode is not None:
+                _install(module)
+    except Exception:
+        logger.exception("sglang-lora-tma-guard: could not place its LoRA MoE hooks on %s; SGLang's are used", TARGET)
+
+
+def activate(mode: Mode) -> None:
+    """Build LoRA MoE hooks in ``mode`` from now on (on import of SGLang's module, or at once). Never raises."""
+    try:
+        with _lock:
+            _state.mode = Mode(mode)
+            if _state.engaged is not None:
+                _state.engaged.on = True
+            watch, _state.watching = not _state.watching, True
+            module = sys.modules.get(MODULE)
+            if module is not None:
+                _install(module)
+        if watch:
+            wrapt.register_post_import_hook(_on_import, MODULE)
+    except Exception:
+        logger.exception("sglang-lora-tma-guard: could not arm its LoRA MoE hooks; SGLang's are used")
+
+
+def deactivate() -> None:
+    """SGLang's own hook builder again; under other code's wrapper, ours stays and passes through. Never raises."""
+    try:
+        with _lock:
+            _state.mode = None
+            module = sys.modules.get(MODULE)
+            if _state.wrapper is None or module is None:
+                return
+            removed = wrapt.unwrap_object(module, NAME, _state.wrapper, missing_ok=True)
+            if removed is None and _in_chain(getattr(module, NAME, None)):
+                _state.engaged.on = False
+                logger.warning("sglang-lora-tma-guard: %s is wrapped by other code above the guard; its LoRA "
+                               "MoE hooks stay in the chain, switched off", TARGET)
+                return
+            _state.wrapper = _state.engaged = None
+    except Exception:
+        logger.exception("sglang-lora-tma-guard: could not remove its LoRA MoE hooks")
+
+
+def _in_chain(func) -> bool:
+    try:
+        return wrapt.find_wrapper(func, _state.wrapper) is not None
+    except Exception:
+        return func is _state.wrapper
+
+
+@dataclass(frozen=True)
+class PathStatus:
+    mode: str | None
+    installed: bool
+    virtual_experts_fixed_upstream: bool | None
+
+    def describe(self) -> str:
+        if self.mode is None:
+            return "SGLang's own LoRA MoE hooks"
+        if self.mode == Mode.FAST:
+            return "fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch)"
+        if self.virtual_experts_fixed_upstream:
+            return "SGLang's own LoRA MoE hooks (its virtual-experts path is right in this release)"
+        return "SGLang's own LoRA MoE hooks; --lora-use-virtual-experts on gated MoE corrected"
+
+
+def status() -> PathStatus:
+    with _lock:
+        module = sys.modules.get(MODULE)
+        installed = _state.wrapper is not None and module is not None and _in_chain(getattr(module, NAME, None))
+        fixed = _state.ve_fixed if installed else (virtual_experts_fixed_upstream(module) if module else None)
+        mode = _state.mode.value if _state.mode is not None else None
+        return PathStatus(mode=mode, installed=installed and bool(_state.engaged and _state.engaged.on),
+                          virtual_experts_fixed_upstream=fixed)
