@@ -256,7 +256,7 @@ def _expert_stride(w: torch.Tensor) -> int:
 
 def add_delta(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
               routing: Routing, lora_ranks: torch.Tensor, *, max_rank: int, halves: int,
-              topk_weights: torch.Tensor | None = None, config: StageConfig = StageConfig()) -> None:
+              topk_weights: torch.Tensor | None = None, config: StageConfig | None = None) -> None:
     """``out[t, j] += delta`` for every pair the routing holds, in place.
 
     ``out``: (tokens, topk, halves * half_width), route-major; ``x``: (tokens, K) for gate-up (one row
@@ -273,27 +273,44 @@ def add_delta(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     assert x.dtype == lora_a.dtype == lora_b.dtype == out.dtype, (x.dtype, lora_a.dtype, lora_b.dtype, out.dtype)
     if num_pairs == 0 or max_rank == 0:
         return
-    K, half_width, c = x.shape[1], width // halves, config
-    pairs_per_x = topk if x.shape[0] == tokens and topk > 1 else 1
+    config = config or StageConfig()
+    t = shrink(x, lora_a, routing, lora_ranks, topk=topk, max_rank=max_rank, halves=halves, config=config)
+    expand(out, t, lora_b, routing, lora_ranks, max_rank=max_rank, halves=halves, topk_weights=topk_weights,
+           config=config)
+
+
+def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, lora_ranks: torch.Tensor, *, topk: int,
+           max_rank: int, halves: int, config: StageConfig) -> torch.Tensor:
+    """The first GEMM: each pair's ranks (float32, ``(pairs, halves * max_rank)``; only each
+    adapter's true ranks are written)."""
+    c, num_pairs = config, routing.num_pairs
+    pairs_per_x = topk if x.shape[0] != num_pairs else 1
     alloc = torch.zeros if c.split_k > 1 else torch.empty
     t = alloc(num_pairs, halves * max_rank, dtype=torch.float32, device=x.device)
-    blocks = routing.max_blocks
-    _shrink_kernel[(blocks, halves * triton.cdiv(max_rank, c.shrink_block_r), c.split_k)](
+    _shrink_kernel[(routing.max_blocks, halves * triton.cdiv(max_rank, c.shrink_block_r), c.split_k)](
         x, lora_a, t, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
-        num_pairs, K, routing.num_experts, max_rank,
+        num_pairs, x.shape[1], routing.num_experts, max_rank,
         x.stride(0), x.stride(1), lora_a.stride(0), _expert_stride(lora_a), lora_a.stride(2), lora_a.stride(3),
         t.stride(0),
         PAIRS_PER_X=pairs_per_x, SPLIT_K=c.split_k,
         BLOCK_M=routing.block_m, BLOCK_R=c.shrink_block_r, BLOCK_K=c.shrink_block_k,
         num_warps=c.shrink_warps, num_stages=c.shrink_stages,
     )
+    return t
+
+
+def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Routing, lora_ranks: torch.Tensor, *,
+           max_rank: int, halves: int, topk_weights: torch.Tensor | None, config: StageConfig) -> None:
+    """The second GEMM, added into ``out`` (each half from its own ranks)."""
+    c = config
+    half_width = out.shape[2] // halves
     weights = topk_weights.reshape(-1) if topk_weights is not None else t
-    _expand_kernel[(blocks, halves * triton.cdiv(half_width, c.expand_block_n))](
+    _expand_kernel[(routing.max_blocks, halves * triton.cdiv(half_width, c.expand_block_n))](
         t, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
-        num_pairs, half_width, routing.num_experts, max_rank,
+        routing.num_pairs, half_width, routing.num_experts, max_rank,
         t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        TOPK=topk, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        TOPK=out.shape[1], MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=routing.block_m, BLOCK_N=c.expand_block_n, BLOCK_R=c.expand_block_r,
         num_warps=c.expand_warps, num_stages=c.expand_stages,
     )

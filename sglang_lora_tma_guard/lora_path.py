@@ -27,7 +27,7 @@ from enum import Enum
 import torch
 import wrapt
 
-from . import lora_moe
+from . import lora_moe, tuning
 from .guard import Engaged
 
 logger = logging.getLogger("sglang_lora_tma_guard")
@@ -101,27 +101,6 @@ def token_adapters(lora_info, tokens: int) -> torch.Tensor:
     return torch.where(inside, adapter, torch.full_like(adapter, -1))
 
 
-def block_m_for(num_pairs: int, num_keys: int) -> int:
-    """Rows per block: about the pairs each virtual expert gets, 16 to 64."""
-    per_key = num_pairs / max(1, min(num_pairs, num_keys))
-    return 16 if per_key <= 16 else 32 if per_key <= 32 else 64
-
-
-def stage_config(num_pairs: int, num_keys: int, k: int, max_rank: int, halves: int) -> lora_moe.StageConfig:
-    """Tiles for one hook: tuned H200 tiles where shipped, else a rule of thumb (see ``tuning``)."""
-    from . import tuning
-
-    return tuning.lookup(num_pairs, num_keys, k, max_rank, halves)
-
-
-@dataclass
-class _Batch:
-    """What both hooks of one batch share: its routing, built once."""
-
-    routing: lora_moe.Routing
-    topk_shape: tuple
-
-
 def build_hooks(original, hidden_states, lora_info, topk_ids):
     """This package's hooks for the batch, or SGLang's (``original``) where it is not covered."""
     module = sys.modules.get(MODULE)
@@ -137,12 +116,10 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
     tokens, topk = topk_ids.shape
     experts = lora_info.gate_up_lora_b_weights.shape[1]
     ranks, enabled = lora_info.lora_ranks.to(torch.int32), lora_info.adapter_enabled.to(torch.int32)
-    keys = ranks.numel() * experts
     r, halves = int(lora_info.max_lora_rank), 2 if is_gated(lora_info) else 1
-    block_m = block_m_for(tokens * topk, keys)
-    routing = lora_moe.route(topk_ids, token_adapters(lora_info, tokens), enabled, ranks, experts, block_m)
-    gate_up_config = stage_config(tokens * topk, keys, hidden_states.shape[1], r, halves)
-    down_config = stage_config(tokens * topk, keys, lora_info.down_lora_a_weights.shape[3], r, 1)
+    tiles = tuning.plan(tokens * topk, hidden_states.shape[1], lora_info.down_lora_a_weights.shape[3], experts,
+                        ranks.numel(), r, halves == 2)
+    routing = lora_moe.route(topk_ids, token_adapters(lora_info, tokens), enabled, ranks, experts, tiles.block_m)
     shape = tuple(topk_ids.shape)
     theirs = []
 
@@ -155,14 +132,14 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
         if tuple(topk_ids_now.shape) != shape or tuple(cache1.shape[:2]) != shape or hidden.shape[0] != tokens:
             return sglang_hooks().after_gate_up(hidden, cache1, topk_weights, topk_ids_now)
         lora_moe.add_delta(cache1, hidden, lora_info.gate_up_lora_a_weights, lora_info.gate_up_lora_b_weights,
-                           routing, ranks, max_rank=r, halves=halves, config=gate_up_config)
+                           routing, ranks, max_rank=r, halves=halves, config=tiles.gate_up)
 
     def after_down(activation, cache3, topk_weights, topk_ids_now):
         if (tuple(topk_ids_now.shape) != shape or tuple(cache3.shape[:2]) != shape
                 or activation.shape[0] != tokens * topk):
             return sglang_hooks().after_down(activation, cache3, topk_weights, topk_ids_now)
         lora_moe.add_delta(cache3, activation, lora_info.down_lora_a_weights, lora_info.down_lora_b_weights,
-                           routing, ranks, max_rank=r, halves=1, topk_weights=topk_weights, config=down_config)
+                           routing, ranks, max_rank=r, halves=1, topk_weights=topk_weights, config=tiles.down)
 
     return module.LoRAHooks(after_gate_up=after_gate_up, after_down=after_down)
 

@@ -1,54 +1,92 @@
-"""Tiles for the LoRA MoE GEMMs of :mod:`~sglang_lora_tma_guard.lora_moe`.
+"""Tiles for the LoRA MoE GEMMs of :mod:`~sglang_lora_tma_guard.lora_moe`, per batch.
 
 Tuned tiles ship as data (``lora_moe_tiles.json``, written by ``benchmarks/tune_lora_moe.py`` on an
-H200): per GPU name, per hook kind (``gate_up``: K = hidden, two halves; ``down``: K = intermediate)
-and per bucket of pairs (tokens x topk) the best tiles of that sweep. Where the file has nothing for
-this GPU or shape, a rule of thumb: split K when too few blocks would fill the GPU.
+H200): per GPU name and per layer shape (hidden, intermediate per shard, experts in the LoRA buffers,
+max rank), for buckets of pairs (tokens x topk), the rows per block and both hooks' tiles that were
+fastest in that sweep. ``SGLANG_LORA_TMA_GUARD_TILES`` names another such file to read instead. Where
+the data has nothing for this GPU and shape, a rule of thumb: blocks of about the pairs each virtual
+expert gets, and K split when too few blocks would fill the GPU.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import fields
+import logging
+import os
+from dataclasses import dataclass, fields
 from importlib import resources
+from pathlib import Path
 
 import torch
 
 from .lora_moe import StageConfig
 
+logger = logging.getLogger("sglang_lora_tma_guard")
+
 DATA = "lora_moe_tiles.json"
-SMS_TO_FILL = 264  # two programs per SM of an H100/H200 (132 SMs)
+TILES_ENV = "SGLANG_LORA_TMA_GUARD_TILES"
+PROGRAMS_TO_FILL = 264  # two programs per SM of an H100/H200 (132 SMs)
 
 
-@functools.lru_cache(maxsize=None)
-def _table() -> dict:
+@dataclass(frozen=True)
+class Plan:
+    """One batch's tiling: rows per block (the routing's) and each hook's GEMM tiles."""
+
+    block_m: int
+    gate_up: StageConfig
+    down: StageConfig
+
+
+def shape_key(hidden: int, intermediate: int, experts: int, max_rank: int) -> str:
+    return f"H={hidden} I={intermediate} E={experts} R={max_rank}"
+
+
+@functools.cache
+def _table(path: str | None) -> dict:
     try:
+        if path:
+            return json.loads(Path(path).read_text())
         return json.loads(resources.files(__package__).joinpath(DATA).read_text())
-    except (FileNotFoundError, OSError, ValueError):
+    except (FileNotFoundError, OSError, ValueError) as error:
+        if path:
+            logger.warning("sglang-lora-tma-guard: %s=%s could not be read (%s); using the shipped tiles",
+                           TILES_ENV, path, error)
+            return _table(None)
         return {}
 
 
-def _gpu() -> str | None:
+@functools.cache
+def _gpu() -> str:
     try:
-        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     except Exception:
-        return None
+        return ""
 
 
-def kind(k: int, halves: int) -> str:
-    return "gate_up" if halves == 2 or k >= 1024 else "down"
+def _stage(values: dict) -> StageConfig:
+    names = {f.name for f in fields(StageConfig)}
+    return StageConfig(**{key: value for key, value in values.items() if key in names})
 
 
-def lookup(num_pairs: int, num_keys: int, k: int, max_rank: int, halves: int) -> StageConfig:
-    """The tiles for one hook of a batch of ``num_pairs`` (tokens x topk)."""
-    gpu = _gpu()
-    entries = _table().get(gpu or "", {}).get(kind(k, halves), [])
-    for entry in entries:  # buckets in increasing ``max_pairs``
-        if num_pairs <= entry["max_pairs"]:
-            names = {f.name for f in fields(StageConfig)}
-            return StageConfig(**{key: value for key, value in entry["tiles"].items() if key in names})
-    return rule_of_thumb(num_pairs, num_keys, k, max_rank, halves)
+def plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: int, max_rank: int,
+         gated: bool) -> Plan:
+    """The tiling for a batch of ``num_pairs`` (tokens x topk) on this GPU."""
+    buckets = _table(os.environ.get(TILES_ENV) or None).get(_gpu(), {}).get(
+        shape_key(hidden, intermediate, experts, max_rank))
+    if buckets:
+        entry = next((b for b in buckets if num_pairs <= b["max_pairs"]), buckets[-1])
+        return Plan(entry["block_m"], _stage(entry["gate_up"]), _stage(entry["down"]))
+    keys = loras * experts
+    return Plan(rule_block_m(num_pairs, keys),
+                rule_of_thumb(num_pairs, keys, hidden, max_rank, 2 if gated else 1),
+                rule_of_thumb(num_pairs, keys, intermediate, max_rank, 1))
+
+
+def rule_block_m(num_pairs: int, num_keys: int) -> int:
+    """About the pairs each virtual expert gets, 16 to 64."""
+    per_key = num_pairs / max(1, min(num_pairs, num_keys))
+    return 16 if per_key <= 16 else 32 if per_key <= 32 else 64
 
 
 def rule_of_thumb(num_pairs: int, num_keys: int, k: int, max_rank: int, halves: int) -> StageConfig:
@@ -57,7 +95,7 @@ def rule_of_thumb(num_pairs: int, num_keys: int, k: int, max_rank: int, halves: 
     blocks = max(1, min(num_pairs, num_keys))
     block_k = 128 if k >= 512 else 64
     split_k = 1
-    if blocks * rank_tiles < SMS_TO_FILL:
-        split_k = max(1, min(k // (4 * block_k), SMS_TO_FILL // (blocks * rank_tiles)))
+    if blocks * rank_tiles < PROGRAMS_TO_FILL:
+        split_k = max(1, min(k // (4 * block_k), PROGRAMS_TO_FILL // (blocks * rank_tiles)))
     return StageConfig(shrink_block_r=block_r, shrink_block_k=block_k, split_k=split_k,
-                       expand_block_n=64, expand_block_r=min(32, max(16, block_r)))
+                       expand_block_n=64, expand_block_r=min(32, block_r))

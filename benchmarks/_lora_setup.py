@@ -1,0 +1,62 @@
+"""One MoE layer's LoRA batch as SGLang builds it, for the LoRA MoE benchmarks (GPU).
+
+4 adapters in 4 slots (ranks 8/16/32/64 padded to 64, or all 16), the batch split evenly among them
+and the base model (``tests/harness/real_lora.py``), SGLang's CUDA-graph LoRA buffers sized as its
+backend sizes them, and the weight bytes a batch's LoRA deltas must read at least.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import real_lora  # noqa: E402
+
+RANK_SETS = {"mixed": (8, 16, 32, 64), "r16": (16, 16, 16, 16)}
+HBM_BYTES_PER_S = 4.3e12  # what an H200 streams in practice (FACTS.md section 3)
+
+
+def cg_buffers(problem, loras: int) -> dict:
+    """SGLang's CUDA-graph LoRA buffers (``moe_cg_buffers``) for this batch size, as its backend sizes them."""
+    tokens, topk = problem.topk_ids.shape
+    experts, block_m = problem.num_experts, 64
+    padded = -(-(tokens * topk + experts * (block_m - 1)) // block_m) * block_m
+    blocks = padded // block_m
+    i32 = dict(dtype=torch.int32, device=problem.topk_ids.device)
+    return {
+        "sorted_token_ids_lora": torch.empty(loras * padded, **i32),
+        "expert_ids_lora": torch.empty(loras * blocks, **i32),
+        "num_tokens_post_padded_lora": torch.empty(loras, **i32),
+        "lora_ids": torch.arange(loras, **i32),
+        "cumsum_buffer": torch.zeros(loras * (experts + 1), **i32),
+        "token_mask": torch.empty(loras * tokens * topk, **i32),
+    }
+
+
+def lora_info(problem, ranks, seed: int):
+    adapters = real_lora.Adapters(ranks=ranks, enabled=(True,) * len(ranks))
+    return real_lora.make_lora_info(problem, adapters, seed=seed, cg_buffers=cg_buffers(problem, len(ranks)))
+
+
+def floor_bytes(info, topk_ids) -> tuple[int, int]:
+    """LoRA weight bytes the batch's deltas read at least: every (adapter, expert) it uses, read once,
+    at the adapters' true ranks and at the padded rank."""
+    ga, gb, da, db = (info.gate_up_lora_a_weights, info.gate_up_lora_b_weights,
+                      info.down_lora_a_weights, info.down_lora_b_weights)
+    r = info.max_lora_rank
+    halves = ga.shape[2] // r
+    hidden, intermediate, size = ga.shape[3], da.shape[3], ga.element_size()
+    per_rank = size * (halves * hidden + gb.shape[2] + intermediate + db.shape[2])
+    ranks, enabled = info.lora_ranks.tolist(), info.adapter_enabled.tolist()
+    adapters = info.token_lora_mapping.long()
+    used = torch.zeros(len(ranks), gb.shape[1], dtype=torch.bool, device=topk_ids.device)
+    ok = (adapters >= 0)[:, None].expand_as(topk_ids) & (topk_ids >= 0) & (topk_ids < gb.shape[1])
+    rows = adapters[:, None].expand_as(topk_ids)[ok]
+    used[rows, topk_ids.long()[ok]] = True
+    counts = used.sum(dim=1).tolist()
+    true = sum(c * per_rank * rk for c, rk, on in zip(counts, ranks, enabled) if on and rk)
+    padded = sum(c * per_rank * r for c, rk, on in zip(counts, ranks, enabled) if on and rk)
+    return true, padded

@@ -1,0 +1,185 @@
+"""The fast LoRA MoE path against SGLang's default LoRA MoE path, on a Hopper GPU.
+
+    python benchmarks/lora_moe_h200.py [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--out results]
+
+Per shape (``_bench.SHAPES``), rank set (4 adapters of ranks 8/16/32/64 padded to 64; all 16 on the
+GLM-5.1 shape) and batch size, the ``benchmarks/lora_h200.py`` setup: SGLang's ``LoRAInfo`` with its
+CUDA-graph LoRA buffers, hooks built inside the captured graph in SGLang's capture mode, the call by
+SGLang's ``TritonRunnerCore.run`` with the guard's weight TMA. Graphs, CUDA-graph replay, best of
+5 x 50, interleaved:
+
+- whole hooked call (MoE + LoRA): ``default`` (SGLang's ``build_lora_hooks``: ``fused_moe_lora``),
+  ``fast`` (``sglang_lora_tma_guard.lora_path.build_hooks``), and the call without hooks;
+- the LoRA hooks alone (build + both hooks on fixed buffers): default, fast, and SGLang's own
+  virtual-experts path (``--lora-use-virtual-experts``; wrong on gated MoE, timed for reference);
+- the floor: the LoRA weights the batch touches read once at 4.3 TB/s, at the true ranks.
+
+Checks per row (eager): the fast whole call against the default one (relative error of the output),
+and both paths' LoRA deltas against a float32 PyTorch reference on up to 32 tokens spread over the batch.
+Writes ``lora_moe_h200.json`` / ``.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import torch
+from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
+from _lora_setup import HBM_BYTES_PER_S, RANK_SETS, floor_bytes, lora_info
+
+import sglang_lora_tma_guard as guard
+from sglang_lora_tma_guard import lora_path, tiny_moe
+from sglang_lora_tma_guard.inspection import sglang_version
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
+from harness import real_lora  # noqa: E402
+from reference import ReferenceLoRAHooks  # noqa: E402
+
+TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
+SAMPLE = 32
+
+
+def sample_tokens(tokens: int) -> torch.Tensor:
+    """Up to SAMPLE tokens spread over the batch (so over every adapter's segment and the base model's)."""
+    return torch.linspace(0, tokens - 1, min(SAMPLE, tokens), device="cuda").round().long().unique()
+
+
+def reference_deltas(info, hidden, act, ids, weights, shape1, shape3, idx):
+    """float32 reference deltas of both hooks on the tokens ``idx``."""
+    n, topk = idx.numel(), ids.shape[1]
+    ref = ReferenceLoRAHooks(dataclasses.replace(info, token_lora_mapping=info.token_lora_mapping[idx]))
+    c1 = torch.zeros(n, topk, shape1, dtype=torch.float32, device=hidden.device)
+    c3 = torch.zeros(n, topk, shape3, dtype=torch.float32, device=hidden.device)
+    ref.after_gate_up(hidden[idx], c1, weights[idx], ids[idx])
+    ref.after_down(act.view(-1, topk, act.shape[1])[idx].reshape(n * topk, -1), c3, weights[idx], ids[idx])
+    return c1, c3
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
+
+
+def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
+    from sglang.srt.lora import lora_moe_runners as runners
+
+    original = runners.build_lora_hooks
+    config, down_config, use_tma = lookup_configs(shape, tokens)
+    problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
+                                    dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config)
+    info = lora_info(problem, RANK_SETS[ranks_name], seed=tokens)
+    ve_info = dataclasses.replace(info, lora_use_virtual_experts=True)
+    builders = {
+        "default": lambda: original(problem.hidden_states, info, problem.topk_ids),
+        "fast": lambda: lora_path.build_hooks(original, problem.hidden_states, info, problem.topk_ids),
+        "ve": lambda: original(problem.hidden_states, ve_info, problem.topk_ids),
+    }
+    hidden, ids, w = problem.hidden_states, problem.topk_ids, problem.topk_weights
+    topk = ids.shape[1]
+    width1, inter, width3 = info.gate_up_lora_b_weights.shape[2], info.down_lora_a_weights.shape[3], hidden.shape[1]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    act = (torch.randn(tokens * topk, inter, generator=gen, device="cuda") * 0.5).to(hidden.dtype)
+    c1 = torch.zeros(tokens, topk, width1, dtype=hidden.dtype, device="cuda")
+    c3 = torch.zeros(tokens, topk, width3, dtype=hidden.dtype, device="cuda")
+
+    def whole(kind):
+        return real_lora.run_runner(problem, builders[kind]() if kind != "nohook" else None, use_tma=use_tma)
+
+    def lora_only(kind):
+        hooks = builders[kind]()
+        hooks.after_gate_up(hidden, c1, w, ids)
+        hooks.after_down(act, c3, w, ids)
+        return c3
+
+    row = {"shape": name, "ranks": ranks_name, "tokens": tokens}
+    guard.activate(weight_tma=True)
+    with capture_mode():  # hooks built as in a server's captured batch
+        out = {kind: whole(kind) for kind in ("default", "fast", "nohook")}
+        row["whole_rel_err_fast_vs_default"] = rel(out["fast"], out["default"])
+        row["lora_rel_of_output"] = rel(out["default"], out["nohook"])
+        idx = sample_tokens(tokens)
+        ref1, ref3 = reference_deltas(info, hidden, act, ids, w, width1, width3, idx)
+        for kind in ("default", "fast"):
+            c1.zero_()
+            c3.zero_()
+            lora_only(kind)
+            row[f"err_{kind}"] = max(rel(c1[idx], ref1), rel(c3[idx], ref3))
+        graphs = {f"whole_{kind}": capture(lambda k=kind: whole(k))[0] for kind in ("default", "fast", "nohook")}
+        for kind in ("default", "fast"):
+            graphs[f"lora_{kind}"] = capture(lambda k=kind: lora_only(k))[0]
+        try:  # SGLang's virtual-experts path: tried eagerly first, so that a failure cannot break a capture
+            lora_only("ve")
+            torch.cuda.synchronize()
+        except Exception as error:
+            row["lora_ve_error"] = repr(error)[:200]
+        else:
+            graphs["lora_ve"] = capture(lambda: lora_only("ve"))[0]
+    times = replay_times(graphs)
+    row.update({f"ms_{key}": value for key, value in times.items()})
+    true_bytes, padded_bytes = floor_bytes(info, ids)
+    row["floor_ms"] = true_bytes / HBM_BYTES_PER_S * 1e3
+    row["floor_padded_ms"] = padded_bytes / HBM_BYTES_PER_S * 1e3
+    row["speedup_whole"] = row["ms_whole_default"] / row["ms_whole_fast"]
+    row["speedup_lora"] = row["ms_lora_default"] / row["ms_lora_fast"]
+    row["lora_over_floor"] = row["ms_lora_fast"] / row["floor_ms"]
+    del graphs
+    return row
+
+
+def markdown(rows, meta) -> str:
+    lines = [
+        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. ms per call, "
+        "CUDA-graph replay, best of 5 x 50 (interleaved); hooks built inside the graph in SGLang's capture mode; "
+        "weight TMA on. default = SGLang's LoRA MoE hooks (fused_moe_lora); fast = this package's (SGLANG_LORA_TMA_GUARD=fast); "
+        "VE = SGLang's --lora-use-virtual-experts path (wrong on gated MoE, timed for reference). Floor: the LoRA "
+        f"weights the batch touches read once at {HBM_BYTES_PER_S / 1e12:.1f} TB/s (true ranks / padded to the max). "
+        "Errors: max |delta - reference| / max |reference|, float32 PyTorch reference, 32 tokens spread over the batch.",
+        "",
+        "| shape | ranks | tokens | whole: default | whole: fast | speed-up | no hooks | LoRA: default | LoRA: fast "
+        "| LoRA: VE | LoRA speed-up | floor (true / padded) | fast / floor | err default / fast | fast vs default (output) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ve = f"{r['ms_lora_ve']:.3f}" if "ms_lora_ve" in r else "n/a"
+        lines.append(
+            f"| {r['shape']} | {r['ranks']} | {r['tokens']} | {r['ms_whole_default']:.3f} | {r['ms_whole_fast']:.3f} "
+            f"| **{r['speedup_whole']:.2f}x** | {r['ms_whole_nohook']:.3f} | {r['ms_lora_default']:.3f} "
+            f"| {r['ms_lora_fast']:.3f} | {ve} | {r['speedup_lora']:.2f}x | {r['floor_ms']:.3f} / {r['floor_padded_ms']:.3f} "
+            f"| {r['lora_over_floor']:.2f} | {r['err_default']:.1e} / {r['err_fast']:.1e} "
+            f"| {r['whole_rel_err_fast_vs_default']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = benchmark_parser(__doc__, TOKENS).parse_args(argv)
+    out = results_dir(args)
+    prepare_sglang()
+    import triton
+    from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
+
+    meta = {"sglang": sglang_version(), "torch": torch.__version__, "triton": triton.__version__,
+            "gpu": torch.cuda.get_device_name(0)}
+    print(json.dumps(meta), flush=True)
+    rows = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
+        for ranks_name in (("mixed", "r16") if name == "glm51-fp8-tp8" else ("mixed",)):
+            for tokens in args.tokens:
+                t0 = time.perf_counter()
+                rows.append(measure(model_capture_mode, name, shape, ranks_name, tokens, weights))
+                print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
+                (out / "lora_moe_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                (out / "lora_moe_h200.md").write_text(markdown(rows, meta))
+        del weights
+        torch.cuda.empty_cache()
+    guard.deactivate()
+    print(markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

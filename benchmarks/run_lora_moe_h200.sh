@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On the H200 machine, from the repository root, with the kit (benchmarks/e2e/fetch_kit.sh) unpacked by
+# benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
+# default LoRA MoE path with those tiles. Results under ${OUT:-results}/.
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all] [extra arguments for the Python scripts]
+set -u
+source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 1; }
+export OUT=${OUT:-results}; mkdir -p "$OUT"
+what=${1:-all}; shift || true
+if [ "$what" = tune ] || [ "$what" = all ]; then
+  timeout ${TUNE_S:-300} python3 benchmarks/tune_lora_moe.py --out "$OUT" "$@"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  [ -f "$OUT/lora_moe_tiles.json" ] && export SGLANG_LORA_TMA_GUARD_TILES="$OUT/lora_moe_tiles.json"
+  timeout ${BENCH_S:-280} python3 benchmarks/lora_moe_h200.py --out "$OUT" "$@"
+fi

@@ -1,0 +1,139 @@
+"""Tune the fast LoRA MoE path's tiles on this GPU: rows per block, and each hook's shrink and expand tiles.
+
+    python benchmarks/tune_lora_moe.py [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--out results]
+
+Per shape (``_bench.SHAPES``), rank set (4 adapters of ranks 8/16/32/64, and all 16 on the GLM-5.1
+shape) and batch size: for each candidate rows-per-block, the routing, then each hook's shrink tiles
+and expand tiles timed alone (CUDA-graph replay, best of 3 x 20), the best of each kept; the
+rows-per-block with the least total wins. Writes ``lora_moe_tiles.json`` (the package's data format,
+``sglang_lora_tma_guard/tuning.py``) and ``tune_lora_moe.md`` under ``--out``; copy the JSON into the
+package to ship it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+from _bench import SHAPES, benchmark_parser, capture, prepare_sglang, replay_times, results_dir
+from _lora_setup import RANK_SETS, lora_info
+
+from sglang_lora_tma_guard import lora_moe, tiny_moe, tuning
+from sglang_lora_tma_guard.lora_path import token_adapters
+
+TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
+BASE = lora_moe.StageConfig()
+
+
+def shrink_candidates(k: int, max_rank: int, num_pairs: int):
+    for block_r in (16, 32, 64):
+        if block_r > max(16, max_rank):
+            continue
+        for block_k in ((128, 256) if k >= 2048 else (64, 128)):
+            for split_k in ((1, 4) if k >= 2048 and num_pairs <= 2048 else (1,)):
+                yield replace(BASE, shrink_block_r=block_r, shrink_block_k=block_k, split_k=split_k)
+
+
+def expand_candidates(max_rank: int):
+    for block_n, block_r, warps in ((64, 16, 4), (64, 32, 4), (128, 16, 4), (128, 32, 8), (128, 64, 8), (256, 32, 8)):
+        if block_r <= max(16, max_rank):
+            yield replace(BASE, expand_block_n=block_n, expand_block_r=block_r, expand_warps=warps)
+
+
+def block_m_candidates(num_pairs: int):
+    return (16,) if num_pairs <= 512 else (16, 32) if num_pairs <= 8192 else (16, 32, 64)
+
+
+def best(graphs: dict) -> tuple[str, float]:
+    times = replay_times(graphs, replays=20, repeats=3)
+    name = min(times, key=times.get)
+    return name, times[name]
+
+
+def tune_hook(routing, info, ranks, x, out, a, b, halves, topk, weights):
+    """(best StageConfig, ms) for one hook: the shrink tiles, then the expand tiles on the best shrink."""
+    r = info.max_lora_rank
+    shrinks = {}
+    for cfg in shrink_candidates(x.shape[1], r, routing.num_pairs):
+        graph, _ = capture(lambda c=cfg: lora_moe.shrink(x, a, routing, ranks, topk=topk, max_rank=r, halves=halves,
+                                                          config=c))
+        shrinks[cfg] = graph
+    shrink_cfg, shrink_ms = best(shrinks)
+    t = lora_moe.shrink(x, a, routing, ranks, topk=topk, max_rank=r, halves=halves, config=shrink_cfg)
+    expands = {}
+    for cfg in expand_candidates(r):
+        graph, _ = capture(lambda c=cfg: lora_moe.expand(out, t, b, routing, ranks, max_rank=r, halves=halves,
+                                                          topk_weights=weights, config=c))
+        expands[cfg] = graph
+    expand_cfg, expand_ms = best(expands)
+    tiles = replace(shrink_cfg, **{k: v for k, v in asdict(expand_cfg).items() if k.startswith("expand")})
+    return tiles, shrink_ms + expand_ms
+
+
+def tune_batch(shape, ranks_name, tokens, weights):
+    problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
+                                    dtype=torch.bfloat16, weights=weights)
+    info = lora_info(problem, RANK_SETS[ranks_name], seed=tokens)
+    topk_ids, (tok, topk) = problem.topk_ids, problem.topk_ids.shape
+    ranks, enabled = info.lora_ranks, info.adapter_enabled
+    experts, halves = info.gate_up_lora_b_weights.shape[1], 2
+    adapters = token_adapters(info, tok)
+    hidden = problem.hidden_states
+    cache1 = torch.zeros(tok, topk, info.gate_up_lora_b_weights.shape[2], dtype=hidden.dtype, device="cuda")
+    act = torch.randn(tok * topk, info.down_lora_a_weights.shape[3], dtype=hidden.dtype, device="cuda")
+    cache3 = torch.zeros(tok, topk, hidden.shape[1], dtype=hidden.dtype, device="cuda")
+    results = []
+    for block_m in block_m_candidates(tok * topk):
+        routing = lora_moe.route(topk_ids, adapters, enabled, ranks, experts, block_m)
+        route_graph, _ = capture(lambda bm=block_m: lora_moe.route(topk_ids, adapters, enabled, ranks, experts, bm))
+        route_ms = replay_times({"r": route_graph}, replays=20, repeats=3)["r"]
+        gate_up, gate_up_ms = tune_hook(routing, info, ranks, hidden, cache1, info.gate_up_lora_a_weights,
+                                        info.gate_up_lora_b_weights, halves, topk, None)
+        down, down_ms = tune_hook(routing, info, ranks, act, cache3, info.down_lora_a_weights,
+                                  info.down_lora_b_weights, 1, topk, problem.topk_weights)
+        results.append((route_ms + gate_up_ms + down_ms, block_m, gate_up, down, route_ms))
+    total, block_m, gate_up, down, route_ms = min(results, key=lambda item: item[0])
+    rule = tuning.plan(tok * topk, hidden.shape[1], act.shape[1], experts, ranks.numel(), info.max_lora_rank, True)
+    key = tuning.shape_key(hidden.shape[1], act.shape[1], experts, info.max_lora_rank)
+    entry = {"max_pairs": tok * topk, "block_m": block_m, "gate_up": asdict(gate_up), "down": asdict(down),
+             "ms": round(total, 4), "route_ms": round(route_ms, 4)}
+    return key, entry, rule
+
+
+def _tiles(t: dict) -> str:
+    return (f"shrink r{t['shrink_block_r']} k{t['shrink_block_k']} split {t['split_k']}, "
+            f"expand n{t['expand_block_n']} r{t['expand_block_r']} w{t['expand_warps']}")
+
+
+def main(argv=None) -> int:
+    args = benchmark_parser(__doc__, TOKENS).parse_args(argv)
+    out = results_dir(args)
+    prepare_sglang()
+    gpu = torch.cuda.get_device_name()
+    table: dict = {gpu: {}}
+    lines = ["| shape | ranks | tokens | block_m | gate-up tiles | down tiles | LoRA ms (tuned) |",
+             "|---|---|---|---|---|---|---|"]
+    for name in args.shapes:
+        shape = SHAPES[name]
+        weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
+        for ranks_name in (("mixed", "r16") if name == "glm51-fp8-tp8" else ("mixed",)):
+            for tokens in args.tokens:
+                t0 = time.perf_counter()
+                key, entry, _ = tune_batch(shape, ranks_name, tokens, weights)
+                table[gpu].setdefault(key, []).append(entry)
+                lines.append(f"| {name} | {ranks_name} | {tokens} | {entry['block_m']} | {_tiles(entry['gate_up'])} "
+                             f"| {_tiles(entry['down'])} | {entry['ms']:.3f} |")
+                print(lines[-1], f"  # {time.perf_counter() - t0:.1f} s", flush=True)
+                (out / "lora_moe_tiles.json").write_text(json.dumps(table, indent=1) + "\n")
+                (out / "tune_lora_moe.md").write_text("\n".join(lines) + "\n")
+        del weights
+        torch.cuda.empty_cache()
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
