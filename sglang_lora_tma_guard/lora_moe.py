@@ -41,7 +41,14 @@ def _count_kernel(
     num_pairs, num_loras, num_experts,
     TOPK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _count_step(tl.program_id(0) * BLOCK, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, counts_ptr, keys_ptr,
+                slots_ptr, num_pairs, num_loras, num_experts, TOPK, BLOCK)
+
+
+@triton.jit
+def _count_step(start, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, counts_ptr, keys_ptr, slots_ptr,
+                num_pairs, num_loras, num_experts, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK)
     in_range = offs < num_pairs
     expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
     adapter = tl.load(token_lora_ptr + offs // TOPK, mask=in_range, other=-1).to(tl.int32)
@@ -64,6 +71,13 @@ def _offsets_kernel(
 ):
     """One program: each key's first row (counts padded to BLOCK_M), the rows in use, and every row
     marked empty (``num_pairs``) before the pairs are scattered into them."""
+    _offsets_steps(counts_ptr, offsets_ptr, total_ptr, sorted_ptr, num_keys, num_rows, num_pairs,
+                   BLOCK_M, BLOCK_KEYS, BLOCK_FILL)
+
+
+@triton.jit
+def _offsets_steps(counts_ptr, offsets_ptr, total_ptr, sorted_ptr, num_keys, num_rows, num_pairs,
+                   BLOCK_M: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_FILL: tl.constexpr):
     running = tl.full((), 0, tl.int32)
     for start in range(0, num_keys, BLOCK_KEYS):
         idx = start + tl.arange(0, BLOCK_KEYS)
@@ -84,13 +98,43 @@ def _scatter_kernel(
     num_pairs,
     BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _scatter_step(tl.program_id(0) * BLOCK, keys_ptr, slots_ptr, offsets_ptr, sorted_ptr, block_key_ptr, num_pairs,
+                  BLOCK_M, BLOCK)
+
+
+@triton.jit
+def _scatter_step(start, keys_ptr, slots_ptr, offsets_ptr, sorted_ptr, block_key_ptr, num_pairs,
+                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK)
     key = tl.load(keys_ptr + offs, mask=offs < num_pairs, other=-1)
     wanted = key >= 0
     key = tl.where(wanted, key, 0)
     row = tl.load(offsets_ptr + key, mask=wanted, other=0) + tl.load(slots_ptr + offs, mask=wanted, other=0)
     tl.store(sorted_ptr + row, offs, mask=wanted)
     tl.store(block_key_ptr + row // BLOCK_M, key, mask=wanted)
+
+
+@triton.jit
+def _route_one_program_kernel(
+    topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+    counts_ptr, keys_ptr, slots_ptr, offsets_ptr, total_ptr, sorted_ptr, block_key_ptr,
+    num_pairs, num_loras, num_experts, num_keys, num_rows,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The three routing steps in one program, for small batches (one launch instead of four); the
+    barriers make each step's global writes visible to the next within the program."""
+    for start in range(0, num_keys, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        tl.store(counts_ptr + idx, tl.zeros((BLOCK,), tl.int32), mask=idx < num_keys)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, BLOCK):
+        _count_step(start, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, counts_ptr, keys_ptr, slots_ptr,
+                    num_pairs, num_loras, num_experts, TOPK, BLOCK)
+    tl.debug_barrier()
+    _offsets_steps(counts_ptr, offsets_ptr, total_ptr, sorted_ptr, num_keys, num_rows, num_pairs, BLOCK_M, BLOCK, BLOCK)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, BLOCK):
+        _scatter_step(start, keys_ptr, slots_ptr, offsets_ptr, sorted_ptr, block_key_ptr, num_pairs, BLOCK_M, BLOCK)
 
 
 @dataclass(frozen=True)
@@ -111,6 +155,10 @@ class Routing:
         return self.block_key.numel()
 
 
+ONE_PROGRAM_PAIRS = 2048
+"""Up to this many pairs (tokens x topk) the routing runs as one program (one launch instead of four)."""
+
+
 def max_rows(num_pairs: int, num_keys: int, block_m: int) -> int:
     """Rows the grouping can need: each pair once, plus padding for each key in use (at most
     ``min(pairs, keys)`` of them), rounded to whole blocks."""
@@ -126,12 +174,18 @@ def route(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: tor
     num_keys = num_loras * num_experts
     rows = max_rows(num_pairs, num_keys, block_m)
     device, i32 = topk_ids.device, torch.int32
-    counts = torch.zeros(num_keys, dtype=i32, device=device)
-    scratch = torch.empty(2 * num_pairs + num_keys + 1 + rows + rows // block_m, dtype=i32, device=device)
-    keys, slots, offsets, rows_used, sorted_ids, block_key = torch.split(
-        scratch, [num_pairs, num_pairs, num_keys, 1, rows, rows // block_m])
+    scratch = torch.empty(2 * num_pairs + 2 * num_keys + 1 + rows + rows // block_m, dtype=i32, device=device)
+    counts, keys, slots, offsets, rows_used, sorted_ids, block_key = torch.split(
+        scratch, [num_keys, num_pairs, num_pairs, num_keys, 1, rows, rows // block_m])
+    topk_ids = topk_ids.contiguous()
+    if num_pairs <= ONE_PROGRAM_PAIRS:
+        _route_one_program_kernel[(1,)](topk_ids, token_lora, adapter_enabled, lora_ranks, counts, keys, slots, offsets,
+                                        rows_used, sorted_ids, block_key, num_pairs, num_loras, num_experts, num_keys,
+                                        rows, TOPK=topk, BLOCK_M=block_m, BLOCK=1024)
+        return Routing(sorted_ids, block_key, rows_used, block_m, num_pairs, num_experts)
+    counts.zero_()
     grid = (max(1, triton.cdiv(num_pairs, 1024)),)
-    _count_kernel[grid](topk_ids.contiguous(), token_lora, adapter_enabled, lora_ranks, counts, keys, slots,
+    _count_kernel[grid](topk_ids, token_lora, adapter_enabled, lora_ranks, counts, keys, slots,
                         num_pairs, num_loras, num_experts, TOPK=topk, BLOCK=1024)
     _offsets_kernel[(1,)](counts, offsets, rows_used, sorted_ids, num_keys, rows, num_pairs,
                           BLOCK_M=block_m, BLOCK_KEYS=1024, BLOCK_FILL=1024)
@@ -150,6 +204,7 @@ def _shrink_kernel(
     num_pairs, K, num_experts, max_rank,
     stride_xm, stride_xk, stride_al, stride_ae, stride_ar, stride_ak, stride_tm,
     PAIRS_PER_X: tl.constexpr,  # topk when x holds one row per token (gate-up), 1 for one per pair (down)
+    GATED: tl.constexpr,  # both halves (gate ranks, up ranks) from one read of x
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -159,8 +214,7 @@ def _shrink_kernel(
     key = tl.load(block_key_ptr + pid_m)
     adapter, expert = key // num_experts, key % num_experts
     rank = tl.load(ranks_ptr + adapter)
-    tiles = tl.cdiv(max_rank, BLOCK_R)
-    half, r0 = pid_r // tiles, (pid_r % tiles) * BLOCK_R
+    r0 = pid_r * BLOCK_R
     if r0 >= rank:
         return  # past this adapter's true rank: nothing to compute
 
@@ -171,23 +225,32 @@ def _shrink_kernel(
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // PAIRS_PER_X)[:, None] * stride_xm + offs_k[None, :] * stride_xk
     a_ptrs = (a_ptr + adapter.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
-              + (half * max_rank + offs_r)[None, :] * stride_ar + offs_k[:, None] * stride_ak)
+              + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak)
+    up_shift = max_rank * stride_ar  # the up half's ranks follow the gate half's
 
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
         k_ok = offs_k < K - (k0 - pid_k * BLOCK_K)
         x = tl.load(x_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         acc += tl.dot(x, a)
+        if GATED:
+            a_up = tl.load(a_ptrs + up_shift, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            acc_up += tl.dot(x, a_up)
         x_ptrs += SPLIT_K * BLOCK_K * stride_xk
         a_ptrs += SPLIT_K * BLOCK_K * stride_ak
 
-    t_ptrs = t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :]
+    t_ptrs = t_ptr + pairs[:, None] * stride_tm + offs_r[None, :]
     t_mask = pair_ok[:, None] & r_ok[None, :]
     if SPLIT_K == 1:
         tl.store(t_ptrs, acc, mask=t_mask)
+        if GATED:
+            tl.store(t_ptrs + max_rank, acc_up, mask=t_mask)
     else:
         tl.atomic_add(t_ptrs, acc, mask=t_mask, sem="relaxed")
+        if GATED:
+            tl.atomic_add(t_ptrs + max_rank, acc_up, mask=t_mask, sem="relaxed")
 
 
 @triton.jit
@@ -287,12 +350,12 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, lora_ranks: 
     pairs_per_x = topk if x.shape[0] != num_pairs else 1
     alloc = torch.zeros if c.split_k > 1 else torch.empty
     t = alloc(num_pairs, halves * max_rank, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(routing.max_blocks, halves * triton.cdiv(max_rank, c.shrink_block_r), c.split_k)](
+    _shrink_kernel[(routing.max_blocks, triton.cdiv(max_rank, c.shrink_block_r), c.split_k)](
         x, lora_a, t, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
         num_pairs, x.shape[1], routing.num_experts, max_rank,
         x.stride(0), x.stride(1), lora_a.stride(0), _expert_stride(lora_a), lora_a.stride(2), lora_a.stride(3),
         t.stride(0),
-        PAIRS_PER_X=pairs_per_x, SPLIT_K=c.split_k,
+        PAIRS_PER_X=pairs_per_x, GATED=halves == 2, SPLIT_K=c.split_k,
         BLOCK_M=routing.block_m, BLOCK_R=c.shrink_block_r, BLOCK_K=c.shrink_block_k,
         num_warps=c.shrink_warps, num_stages=c.shrink_stages,
     )

@@ -79,8 +79,8 @@ def plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: in
         return Plan(entry["block_m"], _stage(entry["gate_up"]), _stage(entry["down"]))
     keys = loras * experts
     return Plan(rule_block_m(num_pairs, keys),
-                rule_of_thumb(num_pairs, keys, hidden, max_rank, 2 if gated else 1),
-                rule_of_thumb(num_pairs, keys, intermediate, max_rank, 1))
+                rule_of_thumb(num_pairs, keys, hidden, max_rank),
+                rule_of_thumb(num_pairs, keys, intermediate, max_rank))
 
 
 def rule_block_m(num_pairs: int, num_keys: int) -> int:
@@ -89,9 +89,9 @@ def rule_block_m(num_pairs: int, num_keys: int) -> int:
     return 16 if per_key <= 16 else 32 if per_key <= 32 else 64
 
 
-def rule_of_thumb(num_pairs: int, num_keys: int, k: int, max_rank: int, halves: int) -> StageConfig:
+def rule_of_thumb(num_pairs: int, num_keys: int, k: int, max_rank: int) -> StageConfig:
     block_r = 16 if num_pairs <= 1024 else 32
-    rank_tiles = halves * -(-max_rank // block_r)
+    rank_tiles = -(-max_rank // block_r)  # a gated shrink computes both halves' tiles in one program
     blocks = max(1, min(num_pairs, num_keys))
     block_k = 128 if k >= 512 else 64
     split_k = 1
