@@ -1,0 +1,67 @@
+"""Write a Qwen3-MoE checkpoint with Qwen3-30B-A3B's per-layer shapes (hidden 2048, 128 experts,
+moe_intermediate 768, top-8, 32 query / 4 KV heads of 128) but 3 layers and a 8192-token vocabulary,
+random bf16 weights generated on the GPU, saved as real safetensors; and four peft LoRA adapters on
+its experts (gate, up, down), of ranks 8, 16, 32 and 64.
+
+    python make_model.py MODEL_DIR LORA_DIR
+
+Random weights, but a real checkpoint: SGLang refuses LoRA adapters with --load-format dummy."""
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+model, lora = sys.argv[1], sys.argv[2]
+H, E, INTER, TOPK, LAYERS, V, NH, KVH, HD = 2048, 128, 768, 8, 3, 8192, 32, 4, 128
+RANKS = {"a1": 8, "a2": 16, "a3": 32, "a4": 64}
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+g = torch.Generator(device=dev).manual_seed(0)
+
+
+def bf(*shape, scale):
+    return (torch.randn(*shape, generator=g, device=dev) * scale).to(torch.bfloat16).cpu()
+
+
+t = {"model.embed_tokens.weight": bf(V, H, scale=1.0), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+     "lm_head.weight": bf(V, H, scale=0.05)}
+for layer in range(LAYERS):
+    p = f"model.layers.{layer}"
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        t[f"{p}.{norm}.weight"] = torch.ones(H, dtype=torch.bfloat16)
+    for norm in ("q_norm", "k_norm"):
+        t[f"{p}.self_attn.{norm}.weight"] = torch.ones(HD, dtype=torch.bfloat16)
+    for name, (rows, cols) in {"q_proj": (NH * HD, H), "k_proj": (KVH * HD, H), "v_proj": (KVH * HD, H),
+                               "o_proj": (H, NH * HD)}.items():
+        t[f"{p}.self_attn.{name}.weight"] = bf(rows, cols, scale=cols ** -0.5)
+    t[f"{p}.mlp.gate.weight"] = bf(E, H, scale=0.05)
+    for e in range(E):
+        q = f"{p}.mlp.experts.{e}"
+        t[f"{q}.gate_proj.weight"] = bf(INTER, H, scale=H ** -0.5)
+        t[f"{q}.up_proj.weight"] = bf(INTER, H, scale=H ** -0.5)
+        t[f"{q}.down_proj.weight"] = bf(H, INTER, scale=INTER ** -0.5)
+os.makedirs(model, exist_ok=True)
+save_file(t, f"{model}/model.safetensors")
+json.dump({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
+           "intermediate_size": 6144, "moe_intermediate_size": INTER, "num_experts": E, "num_experts_per_tok": TOPK,
+           "num_hidden_layers": LAYERS, "num_attention_heads": NH, "num_key_value_heads": KVH, "head_dim": HD,
+           "vocab_size": V, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+           "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
+           "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2},
+          open(f"{model}/config.json", "w"), indent=1)
+for name, r in RANKS.items():
+    d = f"{lora}/{name}"
+    os.makedirs(d, exist_ok=True)
+    a = {}
+    for layer in range(LAYERS):
+        for e in range(E):
+            p = f"base_model.model.model.layers.{layer}.mlp.experts.{e}"
+            for proj, (fan_in, fan_out) in {"gate_proj": (H, INTER), "up_proj": (H, INTER), "down_proj": (INTER, H)}.items():
+                a[f"{p}.{proj}.lora_A.weight"] = bf(r, fan_in, scale=fan_in ** -0.5)
+                a[f"{p}.{proj}.lora_B.weight"] = bf(fan_out, r, scale=0.5 * r ** -0.5)
+    save_file(a, f"{d}/adapter_model.safetensors")
+    json.dump({"peft_type": "LORA", "r": r, "lora_alpha": r, "lora_dropout": 0.0, "bias": "none",
+               "target_modules": ["gate_proj", "up_proj", "down_proj"], "task_type": "CAUSAL_LM",
+               "base_model_name_or_path": model}, open(f"{d}/adapter_config.json", "w"))
+print("model and adapters written")
