@@ -53,21 +53,35 @@ def best(graphs: dict) -> tuple[str, float]:
     return name, times[name]
 
 
+def _try_capture(fn):
+    """The graph of ``fn``, or None when its tiles do not fit this GPU (Triton's OutOfResources at the
+    first launch, before any capture starts)."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        fn()
+    except OutOfResources:
+        return None
+    return capture(fn)[0]
+
+
 def tune_hook(routing, info, ranks, x, out, a, b, halves, topk, weights):
     """(best StageConfig, ms) for one hook: the shrink tiles, then the expand tiles on the best shrink."""
     r = info.max_lora_rank
     shrinks = {}
     for cfg in shrink_candidates(x.shape[1], r, routing.num_pairs):
-        graph, _ = capture(lambda c=cfg: lora_moe.shrink(x, a, routing, ranks, topk=topk, max_rank=r, halves=halves,
-                                                          config=c))
-        shrinks[cfg] = graph
+        graph = _try_capture(lambda c=cfg: lora_moe.shrink(x, a, routing, ranks, topk=topk, max_rank=r, halves=halves,
+                                                            config=c))
+        if graph is not None:
+            shrinks[cfg] = graph
     shrink_cfg, shrink_ms = best(shrinks)
     t = lora_moe.shrink(x, a, routing, ranks, topk=topk, max_rank=r, halves=halves, config=shrink_cfg)
     expands = {}
     for cfg in expand_candidates(r):
-        graph, _ = capture(lambda c=cfg: lora_moe.expand(out, t, b, routing, ranks, max_rank=r, halves=halves,
-                                                          topk_weights=weights, config=c))
-        expands[cfg] = graph
+        graph = _try_capture(lambda c=cfg: lora_moe.expand(out, t, b, routing, ranks, max_rank=r, halves=halves,
+                                                            topk_weights=weights, config=c))
+        if graph is not None:
+            expands[cfg] = graph
     expand_cfg, expand_ms = best(expands)
     tiles = replace(shrink_cfg, **{k: v for k, v in asdict(expand_cfg).items() if k.startswith("expand")})
     return tiles, shrink_ms + expand_ms

@@ -1,7 +1,7 @@
 """Requests to a running SGLang server with the adapters of make_model.py, and their comparison.
 
     python client.py run PORT OUT.json [lora]   correctness: 40 greedy requests x 32 new tokens with
-                                                their top-2 log-probabilities (8 prompts alone for each
+                                                their top-5 log-probabilities (8 prompts alone for each
                                                 of the 4 adapters, then a wave of 8 mixing them and the
                                                 base model); "lora" marks a server with adapters
     python client.py load PORT OUT.json [lora]  decode throughput at 1, 16 and 64 concurrent requests
@@ -27,7 +27,7 @@ NEW_TOKENS = 32
 
 def prompt(i: int, length: int | None = None) -> list[int]:
     length = length or 5 + (i * 13) % 60
-    return [(97 * i + 31 * k + 5) % 8000 + 3 for k in range(length)]
+    return [(97 * i + 31 * k + 5) % 2000 + 3 for k in range(length)]
 
 
 def generate(port, ids, lora, new_tokens, logprobs=False) -> dict:
@@ -35,12 +35,12 @@ def generate(port, ids, lora, new_tokens, logprobs=False) -> dict:
     if lora:
         body["lora_path"] = lora
     if logprobs:
-        body.update(return_logprob=True, top_logprobs_num=2)
+        body.update(return_logprob=True, top_logprobs_num=5)
     request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     answer = json.loads(urllib.request.urlopen(request, timeout=600).read())
     top = answer.get("meta_info", {}).get("output_top_logprobs") if logprobs else None
-    return {"ids": answer["output_ids"], "top2": [[[lp, tok] for lp, tok, *_ in step] for step in top] if top else None}
+    return {"ids": answer["output_ids"], "top": [[[lp, tok] for lp, tok, *_ in step] for step in top] if top else None}
 
 
 def wave(port, jobs, new_tokens, logprobs=False):
@@ -84,7 +84,7 @@ def load(port: int, lora: bool) -> dict:
 
 def compare(default: dict, fast: dict) -> dict:
     """Per request: equal, or the first differing position with the gap there, read from the default
-    run's top-2 (log p of its token minus log p of the fast run's token; inf when that is not in its top 2)."""
+    run's top 5 (log p of its token minus log p of the fast run's token; inf when that is not in its top 5)."""
     rows = {}
     for key, ref in default["outputs"].items():
         other = fast["outputs"].get(key)
@@ -95,7 +95,7 @@ def compare(default: dict, fast: dict) -> dict:
         if first is None:
             rows[key] = {"equal": True}
             continue
-        top = {tok: lp for lp, tok in (ref["top2"] or [[]] * (first + 1))[first]}
+        top = {tok: lp for lp, tok in (ref["top"] or [[]] * (first + 1))[first]}
         chosen = top.get(ref["ids"][first])
         gap = chosen - top[other["ids"][first]] if chosen is not None and other["ids"][first] in top else float("inf")
         rows[key] = {"equal": False, "first_difference": first, "logprob_gap": gap}

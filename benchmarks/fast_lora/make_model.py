@@ -1,5 +1,5 @@
 """Write a Qwen3-MoE checkpoint with Qwen3-30B-A3B's per-layer shapes (hidden 2048, 128 experts,
-moe_intermediate 768, top-8, 32 query / 4 KV heads of 128) but 3 layers and a 8192-token vocabulary,
+moe_intermediate 768, top-8, 32 query / 4 KV heads of 128) but 3 layers and a 2048-token vocabulary,
 random bf16 weights generated on the GPU, saved as real safetensors; and four peft LoRA adapters on
 its experts (gate, up, down), of ranks 8, 16, 32 and 64.
 
@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 model, lora = sys.argv[1], sys.argv[2]
-H, E, INTER, TOPK, LAYERS, V, NH, KVH, HD = 2048, 128, 768, 8, 3, 8192, 32, 4, 128
+H, E, INTER, TOPK, LAYERS, V, NH, KVH, HD = 2048, 128, 768, 8, 3, 2048, 32, 4, 128
 RANKS = {"a1": 8, "a2": 16, "a3": 32, "a4": 64}
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 g = torch.Generator(device=dev).manual_seed(0)
@@ -24,8 +24,12 @@ def bf(*shape, scale):
     return (torch.randn(*shape, generator=g, device=dev) * scale).to(torch.bfloat16).cpu()
 
 
+# Output rows of log-normal norms: a few tokens dominate each position, as in a trained model, so that
+# greedy decoding is not a string of near-ties (with rows of equal norms the top two logits of 2048 are
+# often within one rounding step, and any two correct implementations part at the first of them).
+norms = torch.exp(torch.randn(V, 1, generator=g, device=dev) * 0.8)
 t = {"model.embed_tokens.weight": bf(V, H, scale=1.0), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
-     "lm_head.weight": bf(V, H, scale=0.05)}
+     "lm_head.weight": (torch.randn(V, H, generator=g, device=dev) * 0.05 * norms).to(torch.bfloat16).cpu()}
 for layer in range(LAYERS):
     p = f"model.layers.{layer}"
     for norm in ("input_layernorm", "post_attention_layernorm"):

@@ -5,6 +5,7 @@
 # (SGLANG_LORA_TMA_GUARD=1), this package's fast path (=fast). Each: correctness requests, then
 # decode and prefill throughput (client.py). Then the fast run is compared with the default one.
 #   bash benchmarks/fast_lora/run.sh [names...]    (default: default fast nolora); results under ${OUT:-results}/
+# DTYPE=float16|bfloat16 (default bfloat16): the servers' --dtype; RUN_ONLY=1: correctness requests only.
 set -u
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 here=benchmarks/fast_lora
@@ -19,7 +20,7 @@ serve() {  # NAME PORT GUARD_VALUE LORA(yes|no)
                                       --max-loras-per-batch 5 --max-lora-rank 64)
   SGLANG_LORA_TMA_GUARD=$guard python3 -m sglang.launch_server --model-path "$model" --skip-tokenizer-init \
     "${lora_args[@]}" --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
-    --cuda-graph-max-bs 64 --mem-fraction-static 0.5 --disable-radix-cache --random-seed 0 --port "$port" \
+    --dtype "${DTYPE:-bfloat16}" --cuda-graph-max-bs 64 --mem-fraction-static 0.5 --disable-radix-cache --random-seed 0 --port "$port" \
     > "$log" 2>&1 &
   local pid=$! ok=0
   for _ in $(seq 1 150); do
@@ -30,7 +31,7 @@ serve() {  # NAME PORT GUARD_VALUE LORA(yes|no)
     echo "== $name: up after $((SECONDS - t0)) s"
     local tag=; [ "$use_lora" = yes ] && tag=lora
     python3 $here/client.py run "$port" "$OUT/run-$name.json" $tag
-    python3 $here/client.py load "$port" "$OUT/load-$name.json" $tag | sed "s/^/== $name load: /"
+    [ -n "${RUN_ONLY:-}" ] || python3 $here/client.py load "$port" "$OUT/load-$name.json" $tag | sed "s/^/== $name load: /"
   else
     echo "== $name: server did not come up"; tail -20 "$log"
   fi
