@@ -8,6 +8,11 @@ LoRA, and sent to a spawned child process (how SGLang hands them to its schedule
 ``disable_shared_experts_fusion`` as it received it. A record built *before*
 ``load_plugins()`` (``sglang.Engine(server_args=...)``) goes through what the launcher does with it
 before it starts the schedulers: ``resolve_once()`` (0.5.19+) and ``check_server_args()``.
+
+Then the LoRA MoE seam of the same release (:func:`lora_path_check`): SGLang's runner looks up
+``build_lora_hooks`` when it runs, the guard's wrapper is in its place, the release's virtual-experts
+path is judged from its code, and the fast hooks, built through the release's own ``build_lora_hooks``
+from its own ``LoRAInfo``, are checked against a float32 reference on Triton's CPU interpreter.
 Used by ``scripts/version_matrix.py``.
 """
 
@@ -82,8 +87,83 @@ def main() -> None:
         "resolved_before_plugins": {"before_check": early_before_check, "child": received[-1],
                                     "check_error": early_error},
         "warnings": [line for line in log.getvalue().splitlines() if "sglang-lora-tma-guard" in line],
+        "lora_path": lora_path_check(),
     }
     print(json.dumps(result))
+
+
+RUNNER_LOOKUP = "from sglang.srt.lora.lora_moe_runners import build_lora_hooks"
+
+
+def lora_path_check(tokens: int = 6, topk: int = 2, experts: int = 4, hidden: int = 64, inter: int = 32) -> dict:
+    """The LoRA MoE seam on this release (guard on, as loaded by ``load_plugins()``), then in fast mode."""
+    import dataclasses
+    import inspect
+
+    import torch
+    from sglang.srt.layers.moe.moe_runner import runner
+    from sglang.srt.lora import lora_moe_runners as runners
+
+    from sglang_lora_tma_guard import lora_path
+
+    # Looked up inside the runner's method (indented), so the module attribute is the seam.
+    looked_up = any(line.strip() == RUNNER_LOOKUP and line.startswith(" ")
+                    for line in inspect.getsource(runner).splitlines())
+    placed = lora_path.status()
+    lora_path.activate(lora_path.Mode.FAST)
+    g = torch.Generator().manual_seed(0)
+    ranks, halves, r = [8, 16, 0], 2, 16
+    loras = len(ranks)
+
+    def weights(*shape):
+        return (torch.randn(*shape, generator=g) * 0.3).to(torch.float16)
+
+    ga, gb = weights(loras, experts, halves * r, hidden), weights(loras, experts, halves * inter, r)
+    da, db = weights(loras, experts, r, inter), weights(loras, experts, hidden, r)
+    for slot, rank in enumerate(ranks):  # padded ranks are zero, as in SGLang's buffers
+        ga[slot, :, rank:r] = ga[slot, :, r + rank:] = 0
+        gb[slot, :, :, rank:] = da[slot, :, rank:] = db[slot, :, :, rank:] = 0
+    owners = [0, 1, -1]  # segments of 2 tokens: adapter 0, adapter 1, the base model
+    fields = {f.name for f in dataclasses.fields(runners.LoRAInfo)}
+    values = dict(
+        gate_up_lora_a_weights=ga, gate_up_lora_b_weights=gb, down_lora_a_weights=da, down_lora_b_weights=db,
+        seg_indptr=torch.tensor([0, 2, 4, 6], dtype=torch.int32), req_to_lora=torch.tensor(owners, dtype=torch.int32),
+        lora_ranks=torch.tensor(ranks, dtype=torch.int32), adapter_enabled=torch.tensor([1, 1, 0], dtype=torch.int32),
+        token_lora_mapping=torch.tensor([0, 0, 1, 1, -1, -1], dtype=torch.int32), max_lora_rank=r,
+        num_experts=experts, has_active_lora=True,
+    )
+    info = runners.LoRAInfo(**{k: v for k, v in values.items() if k in fields})
+    x = weights(tokens, hidden)
+    ids = torch.randint(0, experts, (tokens, topk), generator=g, dtype=torch.int32)
+    w = torch.rand(tokens, topk, generator=g)
+    act = weights(tokens * topk, inter)
+    c1 = torch.zeros(tokens, topk, halves * inter, dtype=torch.float16)
+    c3 = torch.zeros(tokens, topk, hidden, dtype=torch.float16)
+    hooks = runners.build_lora_hooks(x, info, ids)  # the module attribute, as the runner calls it
+    hooks.after_gate_up(x, c1, w, ids)
+    hooks.after_down(act, c3, w, ids)
+    ref1, ref3 = torch.zeros(c1.shape), torch.zeros(c3.shape)
+    for t in range(tokens):
+        a = owners[t // 2]
+        if a < 0 or not ranks[a]:
+            continue
+        for j, e in enumerate(ids[t].tolist()):
+            A, B = ga[a, e].float(), gb[a, e].float()
+            ref1[t, j] = torch.cat([B[:inter] @ (A[:r] @ x[t].float()), B[inter:] @ (A[r:] @ x[t].float())])
+            ref3[t, j] = w[t, j] * (db[a, e].float() @ (da[a, e].float() @ act[t * topk + j].float()))
+    error = max(float((c1.float() - ref1).abs().max() / ref1.abs().max()),
+                float((c3.float() - ref3).abs().max() / ref3.abs().max()))
+    lora_path.deactivate()
+    return {
+        "runner_looks_up_at_call_time": looked_up,
+        "wrapper_placed": placed.installed,
+        "mode_with_guard_on": placed.mode,
+        "virtual_experts_fixed_upstream": placed.virtual_experts_fixed_upstream,
+        "token_lora_mapping_given": "token_lora_mapping" in fields,
+        "fast_hooks_used": getattr(hooks.after_gate_up, "__module__", None) == "sglang_lora_tma_guard.lora_path",
+        "fast_max_rel_error": error,
+        "restored": runners.build_lora_hooks is inspect.unwrap(runners.build_lora_hooks),
+    }
 
 
 if __name__ == "__main__":

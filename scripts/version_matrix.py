@@ -78,7 +78,7 @@ def probe_release(version: str) -> dict:
 def probe_fusion(version: str) -> dict:
     """The shared-expert fix on one release's own ServerArgs, guard on (scripts/fusion_probe.py)."""
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "fusion_probe.py")],
-                          env=release_env(version, SGLANG_LORA_TMA_GUARD="1"),
+                          env=release_env(version, SGLANG_LORA_TMA_GUARD="1", TRITON_INTERPRET="1"),
                           capture_output=True, text=True, timeout=600)
     try:
         return {**json.loads(proc.stdout.splitlines()[-1]), "version": version}

@@ -89,7 +89,7 @@ def not_covered(lora_info, hidden_states: torch.Tensor, topk_ids: torch.Tensor) 
 
 
 def token_adapters(lora_info, tokens: int) -> torch.Tensor:
-    """Each token's adapter slot (-1: none). SGLang 0.5.16+ gives it; before, from the segments."""
+    """Each token's adapter slot (-1: none). SGLang 0.5.13+ gives it; 0.5.11-0.5.12 from the segments."""
     mapping = getattr(lora_info, "token_lora_mapping", None)
     if mapping is not None:
         return mapping.to(torch.int32)

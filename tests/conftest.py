@@ -55,3 +55,6 @@ def sglang_plugins(fm, monkeypatch):
 
     yield load
     guard.deactivate()
+    from sglang_lora_tma_guard import lora_path
+
+    lora_path.deactivate()

@@ -14,12 +14,13 @@ and a Python one for small batches; on a CPU the Python one serves every batch.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from sglang_lora_tma_guard.installed import ensure_server_args
-from sglang_lora_tma_guard.tiny_moe import MoEProblem, sequence_kwargs
+from sglang_lora_tma_guard.tiny_moe import MoEProblem, align_block_size, sequence_kwargs
 
 _cpu_library = None  # kept alive: registrations live as long as their Library object
 
@@ -54,6 +55,24 @@ def _align_on_cpu(topk_ids, seg_indptr, req_to_lora, num_experts, block_size_m, 
         max_num_tokens_padded, max_num_m_blocks, adapter_enabled, topk_ids.device)
     for out, result in zip((sorted_token_ids, expert_ids, num_tokens_post_padded), results):
         out.copy_(result)
+
+
+@contextlib.contextmanager
+def cpu_virtual_experts():
+    """Let SGLang's virtual-experts path (``merged_experts_fused_moe_lora_add``) run on a CPU: its
+    expert alignment (a CUDA kernel) is given the plain-PyTorch one of ``tiny_moe``, and its config
+    lookup a device name. Undone on exit."""
+    import importlib
+
+    align = importlib.import_module("sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size")
+    config = importlib.import_module("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config")
+    saved = align.moe_align_block_size, config.get_device_name
+    align.moe_align_block_size = lambda topk_ids, block_m, num_experts: align_block_size(topk_ids, block_m, num_experts)
+    config.get_device_name = lambda: "cpu"
+    try:
+        yield
+    finally:
+        align.moe_align_block_size, config.get_device_name = saved
 
 
 @dataclass(frozen=True)

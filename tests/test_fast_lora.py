@@ -1,0 +1,267 @@
+"""The fast LoRA MoE path (``SGLANG_LORA_TMA_GUARD=fast``) and the corrected virtual-experts path.
+
+On SGLang 0.5.16's own ``LoRAInfo`` (laid out as its LoRA manager lays it out), its hook builder and
+its MoE runner, on Triton's CPU interpreter, against the float32 PyTorch reference of the adapters'
+math (``tests/reference.py``); the plugin is loaded by SGLang's ``load_plugins()``.
+
+Tolerance. The caches are fp16 and every path adds a float32 delta into them: each result carries
+fp16 roundings of values as large as the largest delta (2**-11 of it each). We ask the fast path for
+no more error than SGLang's default path shows on the same inputs plus one fp16 step of the largest
+delta (2**-10, relative), and for less than 2e-3 everywhere (measured: 3e-4 to 1e-3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+from harness import real_lora
+from reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
+
+from sglang_lora_tma_guard import lora_moe, lora_path, tiny_moe
+
+pytestmark = pytest.mark.real
+
+TOLERANCE = 2e-3
+ONE_FP16_STEP = 2.0**-10
+FAST = "sglang_lora_tma_guard.lora_path"
+
+
+@dataclass(frozen=True)
+class Case:
+    topk: int = 2
+    ranks: tuple[int, ...] = (8, 16, 32, 64)
+    enabled: tuple[bool, ...] = (True, True, True, True)
+    gated: bool = True
+    shared_outer: bool = False
+    shared_expert_route: bool = False
+    """The runner has one expert more than the LoRA buffers (a fused shared expert) and routes every
+    token to it: no adapter has a delta for it (SGLang's default path reads another slot there)."""
+    filtered: bool = False
+    """Some routes are -1 (filtered out, as under expert parallelism)."""
+
+
+CASES = {
+    "mixed-ranks-top2": Case(),
+    "top1": Case(topk=1),
+    "top8": Case(topk=8),
+    "ungated": Case(gated=False),
+    "disabled-slot": Case(enabled=(True, False, True, True)),
+    "shared-outer": Case(shared_outer=True),
+    "fused-shared-expert-route": Case(shared_expert_route=True),
+    "filtered-routes": Case(filtered=True),
+}
+DEFAULT_RUN = {"mixed-ranks-top2", "fused-shared-expert-route", "shared-outer"}
+
+
+def case_params():
+    return [pytest.param(name, marks=() if name in DEFAULT_RUN else pytest.mark.slow) for name in CASES]
+
+
+EXPERTS, TOKENS, WIDTH = 8, 10, 128
+
+
+def make_case(name: str, seed: int = 0):
+    case = CASES[name]
+    problem = tiny_moe.make_problem(num_tokens=TOKENS, num_experts=EXPERTS, topk=case.topk, hidden=WIDTH,
+                                    intermediate=WIDTH, seed=seed)
+    ids = problem.topk_ids.clone()
+    if case.shared_expert_route:
+        ids[:, -1] = EXPERTS - 1
+    if case.filtered:
+        ids[::3, 0] = -1
+    problem.reroute(ids)
+    adapters = real_lora.Adapters(ranks=case.ranks, enabled=case.enabled, gated=case.gated,
+                                  shared_outer=case.shared_outer,
+                                  lora_experts=EXPERTS - 1 if case.shared_expert_route else None)
+    return problem, real_lora.make_lora_info(problem, adapters, seed=seed)
+
+
+def run_hooks(hooks, problem, info):
+    """Both hooks on fixed random caches; their deltas (gate-up, down)."""
+    tokens, topk = problem.topk_ids.shape
+    gen = torch.Generator().manual_seed(5)
+    c1 = torch.randn(tokens, topk, info.gate_up_lora_b_weights.shape[2], generator=gen).half()
+    act = torch.randn(tokens * topk, WIDTH, generator=gen).half()
+    c3 = torch.randn(tokens, topk, WIDTH, generator=gen).half()
+    before = c1.float(), c3.float()
+    hooks.after_gate_up(problem.hidden_states, c1, problem.topk_weights, problem.topk_ids)
+    hooks.after_down(act, c3, problem.topk_weights, problem.topk_ids)
+    return c1.float() - before[0], c3.float() - before[1]
+
+
+def errors(deltas, reference) -> list[float]:
+    return [float((d - r).abs().max() / r.abs().max()) for d, r in zip(deltas, reference)]
+
+
+@pytest.fixture(scope="module")
+def runners(fm):
+    real_lora.enable_cpu_lora_ops()
+    from sglang.srt.lora import lora_moe_runners
+
+    return lora_moe_runners
+
+
+def sglang_build(runners):
+    """SGLang's own hook builder, whatever is installed on the module."""
+    import inspect
+
+    return inspect.unwrap(runners.build_lora_hooks)
+
+
+@pytest.mark.parametrize("name", case_params())
+def test_fast_hooks_add_each_adapters_delta(runners, name):
+    problem, info = make_case(name)
+    reference = run_hooks(ReferenceLoRAHooks(info), problem, info)
+    assert min(r.abs().max() for r in reference) > 0.1  # the adapters do add something
+    fast = run_hooks(lora_path.build_hooks(sglang_build(runners), problem.hidden_states, info, problem.topk_ids),
+                     problem, info)
+    default = run_hooks(sglang_build(runners)(problem.hidden_states, info, problem.topk_ids), problem, info)
+    fast_err, default_err = errors(fast, reference), errors(default, reference)
+    assert max(fast_err) < TOLERANCE, fast_err
+    if CASES[name].shared_expert_route:
+        # SGLang's default path reads another slot's weights there (or past the buffer: NaN counts as wrong).
+        assert not all(e <= 0.1 for e in default_err), default_err
+    else:
+        assert all(f <= d + ONE_FP16_STEP for f, d in zip(fast_err, default_err)), (fast_err, default_err)
+
+
+@pytest.mark.parametrize("name", [pytest.param("mixed-ranks-top2"), pytest.param("shared-outer", marks=pytest.mark.slow),
+                                  pytest.param("ungated", marks=pytest.mark.slow)])
+def test_sglangs_virtual_experts_path_is_wrong_on_gated_moe_only(runners, name):
+    problem, info = make_case(name)
+    reference = run_hooks(ReferenceLoRAHooks(info), problem, info)
+    ve_info = dataclasses.replace(info, lora_use_virtual_experts=True)
+    with real_lora.cpu_virtual_experts():
+        gate_up_err, down_err = errors(run_hooks(sglang_build(runners)(problem.hidden_states, ve_info, problem.topk_ids),
+                                                 problem, info), reference)
+    assert down_err < TOLERANCE
+    if CASES[name].gated:  # the up half computed from the gate half's A
+        assert gate_up_err > 0.3, gate_up_err
+    else:
+        assert gate_up_err < TOLERANCE, gate_up_err
+
+
+@pytest.mark.parametrize("block_m, config", [
+    (16, lora_moe.StageConfig(split_k=2, shrink_block_k=64)),
+    (32, lora_moe.StageConfig(shrink_block_r=32, expand_block_r=32, expand_block_n=32)),
+], ids=["split-k", "block-32"])
+def test_tiles_and_routing_paths_agree_with_the_reference(runners, block_m, config, monkeypatch):
+    """Split K (atomic adds), wider rank tiles, 32-row blocks, and the four-launch routing of large batches."""
+    problem, info = make_case("mixed-ranks-top2", seed=3)
+    reference = run_hooks(ReferenceLoRAHooks(info), problem, info)
+    monkeypatch.setattr(lora_moe, "ONE_PROGRAM_PAIRS", 0)
+    plan = lora_path.tuning.Plan(block_m, config, config)
+    monkeypatch.setattr(lora_path.tuning, "plan", lambda *args, **kwargs: plan)
+    fast = run_hooks(lora_path.build_hooks(sglang_build(runners), problem.hidden_states, info, problem.topk_ids),
+                     problem, info)
+    assert max(errors(fast, reference)) < TOLERANCE
+
+
+def expected_moe(problem, hooks):
+    """The plain PyTorch reference MoE with ``hooks`` (None: no adapter at all)."""
+    args = tiny_moe.call_arguments(problem, hooks or SimpleNamespace(after_gate_up=None, after_down=None))
+    return reference_moe(args, to_fp8=interpreter_fp8)
+
+
+def test_fast_switch_puts_the_fast_hooks_in_sglangs_runner(sglang_plugins, runners):
+    """``SGLANG_LORA_TMA_GUARD=fast`` through ``load_plugins()``: SGLang's runner builds this package's
+    hooks (it looks ``build_lora_hooks`` up when it runs) and the whole MoE call is right."""
+    problem, info = make_case("mixed-ranks-top2", seed=1)
+    sglang_plugins("fast")
+    hooks = real_lora.lora_hooks(problem, info)
+    assert hooks.after_gate_up.__module__ == FAST
+    output = real_lora.run_runner(problem, hooks, use_tma=True)
+    reference = expected_moe(problem, ReferenceLoRAHooks(info))
+    assert tiny_moe.rel_err(output, reference) < 1e-2
+    assert tiny_moe.rel_err(output, expected_moe(problem, None)) > 0.1
+
+
+def test_guard_corrects_sglangs_virtual_experts_path(sglang_plugins, runners):
+    """``--lora-use-virtual-experts`` on a gated MoE: wrong without the guard, right with ``=1``."""
+    problem, info = make_case("mixed-ranks-top2", seed=2)
+    ve_info = dataclasses.replace(info, lora_use_virtual_experts=True)
+    reference = expected_moe(problem, ReferenceLoRAHooks(info))
+    with real_lora.cpu_virtual_experts():
+        unguarded = real_lora.run_runner(problem, real_lora.lora_hooks(problem, ve_info), use_tma=False)
+        assert tiny_moe.rel_err(unguarded, reference) > 0.05
+        assert sglang_plugins("1").strategy == "weight_tma"
+        hooks = real_lora.lora_hooks(problem, ve_info)
+        assert hooks.after_gate_up.__module__ == FAST
+        assert tiny_moe.rel_err(real_lora.run_runner(problem, hooks, use_tma=True), reference) < 1e-2
+        # The default path stays SGLang's own under =1.
+        assert real_lora.lora_hooks(problem, info).after_gate_up.__module__ != FAST
+
+
+def test_a_batch_it_does_not_cover_goes_to_sglangs_hooks_with_one_log_line(runners, caplog):
+    problem, info = make_case("mixed-ranks-top2")
+    sharded = dataclasses.replace(info, fully_sharded=True, tp_size=2)
+    lora_path._said.clear()
+    with caplog.at_level(logging.WARNING, logger="sglang_lora_tma_guard"):
+        for _ in range(2):
+            hooks = lora_path.build_hooks(sglang_build(runners), problem.hidden_states, sharded, problem.topk_ids)
+            assert hooks.after_gate_up.__module__ != FAST
+    lines = [r.getMessage() for r in caplog.records if "SGLang's own LoRA hooks" in r.getMessage()]
+    assert len(lines) == 1 and "fully sharded" in lines[0], lines
+
+
+def test_deactivate_restores_sglangs_builder_or_leaves_ours_inert_under_another_wrapper(runners):
+    original = runners.build_lora_hooks
+    problem, info = make_case("mixed-ranks-top2")
+    try:
+        lora_path.activate(lora_path.Mode.FAST)
+        assert runners.build_lora_hooks is not original and lora_path.status().installed
+        lora_path.deactivate()
+        assert runners.build_lora_hooks is original and not lora_path.status().installed
+
+        lora_path.activate(lora_path.Mode.FAST)
+        ours = runners.build_lora_hooks
+
+        @functools.wraps(ours)
+        def outer(*args, **kwargs):  # other code's wrapper, placed after ours
+            return ours(*args, **kwargs)
+
+        runners.build_lora_hooks = outer
+        lora_path.deactivate()
+        assert runners.build_lora_hooks is outer  # cannot leave the chain: switched off instead
+        assert outer(problem.hidden_states, info, problem.topk_ids).after_gate_up.__module__ != FAST
+        lora_path.activate(lora_path.Mode.FAST)
+        assert outer(problem.hidden_states, info, problem.topk_ids).after_gate_up.__module__ == FAST
+    finally:
+        runners.build_lora_hooks = original
+        lora_path.deactivate()
+    assert runners.build_lora_hooks is original
+
+
+def test_token_adapters_from_segments_where_sglang_gives_no_map(runners):
+    """SGLang 0.5.11-0.5.12 have no ``token_lora_mapping``: each token's slot comes from the segments."""
+    problem, info = make_case("mixed-ranks-top2")
+    fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info) if f.name != "token_lora_mapping"}
+    older = type("OldLoRAInfo", (), fields)()
+    assert torch.equal(lora_path.token_adapters(older, TOKENS), info.token_lora_mapping)
+
+
+def test_dynamo_traces_the_fast_builder(runners, monkeypatch):
+    """A compiled caller runs the fast builder (a plain function on the module, not a wrapt proxy)."""
+    import torch._dynamo
+
+    problem, info = make_case("mixed-ranks-top2")
+    calls = []
+    monkeypatch.setattr(lora_path, "build_hooks", lambda original, *args: calls.append(args) or original(*args))
+    try:
+        lora_path.activate(lora_path.Mode.FAST)
+        torch._dynamo.reset()
+
+        def caller(x):
+            return runners.build_lora_hooks(x, info, problem.topk_ids) is not None
+
+        torch.compile(caller, backend="eager")(problem.hidden_states)
+        assert calls, "the compiled caller stepped around the fast builder"
+    finally:
+        lora_path.deactivate()
+        torch._dynamo.reset()
