@@ -8,9 +8,10 @@ first on ``PYTHONPATH`` of a fresh ``python -m sglang_lora_tma_guard.check --sel
 which reads its strategy and, where the guard has work to do, runs the real kernels on the CPU
 (Triton's interpreter): hooked + TMA requested, without and with the guard. Then, for every release
 0.5.11-0.5.23, ``scripts/fusion_probe.py`` with the guard on: the shared-expert fix on that release's
-own ``ServerArgs`` (hook placement, LoRA asked for in each way, records sent to a spawned child).
+own ``ServerArgs`` (hook placement, LoRA asked for in each way, records sent to a spawned child), and
+its LoRA MoE seam (the fast hooks built through the release's own ``build_lora_hooks``).
 The rest of the import chain is the one of this environment (requirements/sglang-0.5.16-cpu.txt).
-Prints two Markdown tables.
+Prints three Markdown tables.
 """
 
 from __future__ import annotations
@@ -139,6 +140,26 @@ def fusion_markdown(results: list[dict]) -> str:
                  [fusion_row(r) for r in results])
 
 
+def lora_row(result: dict) -> list[str]:
+    if "error" in result or "lora_path" not in result:
+        return [result["version"], "error"] + [""] * 4
+    lp = result["lora_path"]
+    yes = {True: "yes", False: "NO"}
+    return [result["version"], f"{yes[lp['runner_looks_up_at_call_time']]} / {yes[lp['wrapper_placed']]}",
+            "right (0.5.23 fix)" if lp["virtual_experts_fixed_upstream"]
+            else "wrong (no a_output_slices): corrected by the guard",
+            "given" if lp["token_lora_mapping_given"] else "from the segments",
+            f"{'used' if lp['fast_hooks_used'] else 'NOT USED'}, error {lp['fast_max_rel_error']:.1e}",
+            yes[lp["restored"]]]
+
+
+def lora_markdown(results: list[dict]) -> str:
+    return table(["sglang", "runner looks the builder up at call time / guard's builder placed",
+                  "SGLang's virtual-experts path on gated MoE (read from its code)", "token-to-adapter map",
+                  "fast hooks (release's own LoRAInfo, fp32 reference)", "deactivate() restores"],
+                 [lora_row(r) for r in results])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", nargs="+", default=VERSIONS)
@@ -151,10 +172,13 @@ def main(argv=None) -> int:
     fusion = list(probe_all(args.fusion_versions, args.jobs, probe_fusion).values())
     print()
     print(fusion_markdown(fusion))
+    print()
+    print(lora_markdown(fusion))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"tma": reports, "fusion": fusion}, indent=1))
     failed = [r["version"] for r in reports if "error" in r or (r.get("selftest") or {}).get("passed") is False]
-    failed += [r["version"] for r in fusion if "error" in r or not r["lora_paths"] or r["no_lora"]]
+    failed += [r["version"] for r in fusion if "error" in r or not r["lora_paths"] or r["no_lora"]
+               or not r["lora_path"]["fast_hooks_used"]]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

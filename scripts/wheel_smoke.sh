@@ -30,7 +30,9 @@ from importlib import metadata
 assert callable(ep.load()), ep
 where = sglang_lora_tma_guard.__file__
 assert "/venv/" in where and "site-packages" in where, f"not the wheel's copy: {where}"
-print(f"wheel: {ep.name} = {ep.value} -> {where}")
+from sglang_lora_tma_guard import tuning
+assert tuning._table(None).get("NVIDIA H200"), "the tuned LoRA MoE tiles are not in the wheel"
+print(f"wheel: {ep.name} = {ep.value} -> {where} (with the tuned LoRA MoE tiles)")
 PY
 for switch in 0 1; do
   set +e

@@ -57,7 +57,7 @@ from .inspection import (
 )
 from .settings import ENV_VAR, read_switch
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "lora_tma_guard"
 
@@ -104,6 +104,20 @@ class SwitchReport:
     enabled: bool
     valid: bool
     plain: bool
+    fast: bool = False
+
+
+@dataclass(frozen=True)
+class LoRAPathReport:
+    """The LoRA MoE hooks a server builds with this switch (``lora_path``)."""
+
+    mode: str | None
+    """``fast``, ``correct`` (SGLang's hooks, its virtual-experts path corrected) or None (guard off)."""
+    builder: str | None
+    """Where SGLang's ``build_lora_hooks`` is (None: not found; nothing to place then)."""
+    virtual_experts_fixed_upstream: bool | None
+    """SGLang's own ``--lora-use-virtual-experts`` path is right on gated MoE (0.5.23), read from its code."""
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,7 @@ class GuardReport:
     """None where the strategy installs no wrapper."""
     installed_strategy: Strategy | None = None
     """The strategy the trial install really installed (it can differ: a copy that did not build)."""
+    lora_moe_path: LoRAPathReport | None = None
 
 
 @dataclass(frozen=True)
@@ -250,14 +265,28 @@ def guard_report(strategy: Strategy) -> GuardReport:
     with _trial_lines_quiet(logging.ERROR):  # the trial's LoRA server is no user's
         fusion_trial = _try_the_fusion_fix()
     return GuardReport(
-        switch=SwitchReport(ENV_VAR, switch.value, switch.enabled, switch.valid, switch.plain),
+        switch=SwitchReport(ENV_VAR, switch.value, switch.enabled, switch.valid, switch.plain, switch.fast),
         entry_point=None if entry is None else f"{entry.name} = {entry.value}",
         sglang_plugins=allow,
         admitted_by_sglang_plugins=allow is None or ENTRY_POINT_NAME in {x.strip() for x in allow.split(",")},
         shared_expert_fix=fusion_trial,
         wrapper_installs=installs,
         installed_strategy=installed,
+        lora_moe_path=lora_path_report(switch),
     )
+
+
+def lora_path_report(switch) -> LoRAPathReport:
+    mode = ("fast" if switch.fast else "correct") if switch.enabled else None
+    try:
+        from . import lora_path  # imports torch and Triton: only once SGLang itself imported
+
+        module = importlib.import_module(lora_path.MODULE)
+    except Exception as error:  # an SGLang without LoRA MoE runners: nothing to place
+        return LoRAPathReport(mode, None, None, f"{type(error).__name__}: {error}"[:300])
+    found = callable(getattr(module, lora_path.NAME, None))
+    return LoRAPathReport(mode, lora_path.TARGET if found else None,
+                          lora_path.virtual_experts_fixed_upstream(module) if found else None)
 
 
 def _try_the_fusion_fix() -> FusionFixTrial:
@@ -347,7 +376,7 @@ def verdict(report: Report) -> Verdict:
                        f"even with the guard (strategy {target.strategy.value})")
     if target.strategy is Strategy.ABSENT:
         return Verdict("not-affected", EXIT_OK, target.reason)
-    parts = [_tma_part(report), _fusion_part(report)]
+    parts = [_tma_part(report), _fusion_part(report), *_virtual_experts_part(report)]
     where = _deployment(report.exposure)
     for state, status, code in (("exposed", "exposed", EXIT_EXPOSED), ("unknown", "unknown", EXIT_UNKNOWN),
                                 ("fixed", "protected", EXIT_OK), ("ok", "not-affected", EXIT_OK)):
@@ -355,6 +384,20 @@ def verdict(report: Report) -> Verdict:
             ordered = [text for s, text in parts if s == state] + [text for s, text in parts if s != state]
             return Verdict(status, code, (f"{where}: " if where else "") + "; ".join(ordered))
     raise AssertionError(parts)  # every part has one of the four states
+
+
+def _virtual_experts_part(report: Report) -> list[tuple[str, str]]:
+    """SGLang's own ``--lora-use-virtual-experts`` path (0.5.11-0.5.22, gated MoE): ``fixed`` with the
+    guard on; without it, a warning that does not change the verdict (the flag is off by default)."""
+    found = report.guard.lora_moe_path if report.guard else None
+    if found is None or found.builder is None or found.virtual_experts_fixed_upstream:
+        return []
+    if found.mode is not None:
+        return [("fixed", "--lora-use-virtual-experts on a gated MoE is corrected (SGLang's own path computes "
+                          "the up half of the gate-up delta from the gate half's A)"
+                 + ("; LoRA MoE deltas on the fast path" if found.mode == "fast" else ""))]
+    return [("ok", "do not pass --lora-use-virtual-experts without the guard: SGLang's own path is wrong on "
+                   "gated MoE in this release")]
 
 
 def _tma_part(report: Report) -> tuple[str, str]:
@@ -514,7 +557,7 @@ def _render_guard(guarded: GuardReport | None) -> list[str]:
         return []
     switch = guarded.switch
     value = "unset" if switch.value is None else repr(switch.value)
-    state = (("on, plain fix" if switch.plain else "on") if switch.enabled
+    state = (("on, plain fix" if switch.plain else "on, fast LoRA MoE path" if switch.fast else "on") if switch.enabled
              else ("off, not understood" if not switch.valid else "off"))
     installs = YES_NO[guarded.wrapper_installs]
     if guarded.wrapper_installs and guarded.installed_strategy:
@@ -530,7 +573,25 @@ def _render_guard(guarded: GuardReport | None) -> list[str]:
         f"  {ENV_VAR} {value} ({state})",
         f"  wrapper installs  {installs}",
         f"  shared-expert fix {fix_text}",
+        *_render_lora_path(guarded.lora_moe_path),
     ]
+
+
+def _render_lora_path(found: LoRAPathReport | None) -> list[str]:
+    if found is None:
+        return []
+    if found.builder is None:
+        return [f"  LoRA MoE hooks    SGLang's builder not found here ({found.error or 'no build_lora_hooks'})"]
+    ve = ("right in this release" if found.virtual_experts_fixed_upstream
+          else "wrong on gated MoE in this release (the up half from the gate half's A)")
+    if found.mode == "fast":
+        what = "fast virtual-experts path (SGLang's hooks for what it does not cover)"
+    elif found.mode == "correct":
+        what = ("SGLang's own" if found.virtual_experts_fixed_upstream
+                else "SGLang's own; --lora-use-virtual-experts corrected")
+    else:
+        what = "SGLang's own (guard off)"
+    return [f"  LoRA MoE hooks    {what}", f"  SGLang's --lora-use-virtual-experts  {ve}"]
 
 
 def _render_exposure(report: Report) -> list[str]:

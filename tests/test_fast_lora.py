@@ -265,3 +265,15 @@ def test_dynamo_traces_the_fast_builder(runners, monkeypatch):
     finally:
         lora_path.deactivate()
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("value, mode", [("fast", "fast"), ("1", "correct"), ("plain", "correct"), ("0", None)])
+def test_switch_and_check_say_which_lora_moe_hooks_a_server_builds(runners, value, mode):
+    from sglang_lora_tma_guard import check
+    from sglang_lora_tma_guard.settings import ENV_VAR, read_switch
+
+    switch = read_switch({ENV_VAR: value})
+    assert switch.fast == (value == "fast") and switch.enabled == (mode is not None)
+    found = check.lora_path_report(switch)
+    # SGLang 0.5.16's own virtual-experts path has no per-half A (fixed upstream in 0.5.23).
+    assert (found.mode, found.builder, found.virtual_experts_fixed_upstream) == (mode, lora_path.TARGET, False)

@@ -69,3 +69,16 @@ def test_every_release_gives_a_lora_server_fusion_off_and_leaves_the_rest(fusion
     assert result["no_lora"] is False and result["enable_lora_false_with_paths"] is False
     assert result["lora_forced_fusion"] is False
     assert result["resolved_before_plugins"]["child"] is True
+
+
+@pytest.mark.parametrize("version", version_matrix.FUSION_VERSIONS)
+def test_every_release_takes_the_fast_lora_hooks_through_its_own_builder(fusion_results, version):
+    """The seam (SGLang's runner looks ``build_lora_hooks`` up when it runs) and the fast hooks on the
+    release's own ``LoRAInfo``; its virtual-experts path judged from its code (fixed in 0.5.23)."""
+    result = fusion_results[version]["lora_path"]
+    assert result["runner_looks_up_at_call_time"] and result["wrapper_placed"]
+    assert result["mode_with_guard_on"] == "correct"
+    assert result["virtual_experts_fixed_upstream"] == (release_tuple(version) >= (0, 5, 23))
+    assert result["token_lora_mapping_given"] == (release_tuple(version) >= (0, 5, 13))
+    assert result["fast_hooks_used"] and result["fast_max_rel_error"] < 2e-3
+    assert result["restored"]
