@@ -13,7 +13,9 @@ It guards two bugs of SGLang 0.5.11-0.5.23. The TMA down path
 runs with route-major buffers and TMA for the weights only (``=plain``: TMA off, SGLang 0.5.17's own
 fix); calls without hooks are left untouched. A fused shared expert
 (:mod:`~sglang_lora_tma_guard.fusion`): a server that serves LoRA runs with shared-experts fusion
-off, or its schedulers refuse to start.
+off, or its schedulers refuse to start. SGLang's ``--lora-use-virtual-experts`` path on gated MoE
+(0.5.11-0.5.22) is corrected; ``=fast`` builds every LoRA MoE batch's hooks on this package's own
+virtual-experts kernels (:mod:`~sglang_lora_tma_guard.lora_path`).
 
 From Python::
 
@@ -26,7 +28,7 @@ From Python::
 from .guard import GuardStatus, activate, deactivate, status
 from .inspection import Inspection, Strategy, inspect_target
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "GuardStatus",
