@@ -15,6 +15,7 @@ looked up at call time (0.5.11-0.5.23), so that module attribute is the seam: a 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -111,7 +112,7 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
     reason = not_covered(lora_info, hidden_states, topk_ids)
     if reason is not None:
         _say_once(reason)
-        return original(hidden_states, lora_info, topk_ids)
+        return sglang_hooks_for(original, hidden_states, lora_info, topk_ids)
 
     tokens, topk = topk_ids.shape
     experts = lora_info.gate_up_lora_b_weights.shape[1]
@@ -123,25 +124,42 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
     shape = tuple(topk_ids.shape)
     theirs = []
 
-    def sglang_hooks():  # built only if a call comes in a shape this batch's routing does not fit
+    def sglang_hooks():  # built only if a call comes with buffers this batch's routing does not fit
         if not theirs:
-            theirs.append(original(hidden_states, lora_info, topk_ids))
+            theirs.append(sglang_hooks_for(original, hidden_states, lora_info, topk_ids))
         return theirs[0]
 
+    def fits(x, cache, x_rows, x_width) -> bool:
+        return (tuple(cache.shape[:2]) == shape and cache.dim() == 3 and x.dim() == 2 and x.shape == (x_rows, x_width)
+                and x.dtype == cache.dtype == hidden_states.dtype)
+
     def after_gate_up(hidden, cache1, topk_weights, topk_ids_now):
-        if tuple(topk_ids_now.shape) != shape or tuple(cache1.shape[:2]) != shape or hidden.shape[0] != tokens:
+        if (tuple(topk_ids_now.shape) != shape or cache1.shape[2] != lora_info.gate_up_lora_b_weights.shape[2]
+                or not fits(hidden, cache1, tokens, hidden_states.shape[1])):
+            _say_once("a gate-up call whose buffers differ from its batch's")
             return sglang_hooks().after_gate_up(hidden, cache1, topk_weights, topk_ids_now)
         lora_moe.add_delta(cache1, hidden, lora_info.gate_up_lora_a_weights, lora_info.gate_up_lora_b_weights,
                            routing, ranks, max_rank=r, halves=halves, config=tiles.gate_up)
 
     def after_down(activation, cache3, topk_weights, topk_ids_now):
-        if (tuple(topk_ids_now.shape) != shape or tuple(cache3.shape[:2]) != shape
-                or activation.shape[0] != tokens * topk):
+        if (tuple(topk_ids_now.shape) != shape or cache3.shape[2] != lora_info.down_lora_b_weights.shape[2]
+                or not fits(activation, cache3, tokens * topk, lora_info.down_lora_a_weights.shape[3])):
+            _say_once("a down call whose buffers differ from its batch's")
             return sglang_hooks().after_down(activation, cache3, topk_weights, topk_ids_now)
         lora_moe.add_delta(cache3, activation, lora_info.down_lora_a_weights, lora_info.down_lora_b_weights,
                            routing, ranks, max_rank=r, halves=1, topk_weights=topk_weights, config=tiles.down)
 
     return module.LoRAHooks(after_gate_up=after_gate_up, after_down=after_down)
+
+
+def sglang_hooks_for(original, hidden_states, lora_info, topk_ids):
+    """SGLang's own hooks for a batch the fast path does not take: its default path where it would
+    take its virtual-experts path on a gated MoE in a release where that path is wrong."""
+    module = sys.modules.get(MODULE)
+    fixed = _state.ve_fixed if _state.wrapper is not None else module is not None and virtual_experts_fixed_upstream(module)
+    if getattr(lora_info, "lora_use_virtual_experts", False) and is_gated(lora_info) and not fixed:
+        lora_info = dataclasses.replace(lora_info, lora_use_virtual_experts=False)
+    return original(hidden_states, lora_info, topk_ids)
 
 
 _said: set[str] = set()

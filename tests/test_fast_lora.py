@@ -210,6 +210,18 @@ def test_a_batch_it_does_not_cover_goes_to_sglangs_hooks_with_one_log_line(runne
     assert len(lines) == 1 and "fully sharded" in lines[0], lines
 
 
+def test_a_virtual_experts_batch_it_does_not_cover_goes_to_sglangs_default_path(runners, monkeypatch):
+    """Not to SGLang's virtual-experts path, which is wrong on this gated MoE."""
+    problem, info = make_case("mixed-ranks-top2")
+    ve_info = dataclasses.replace(info, lora_use_virtual_experts=True)
+    reference = run_hooks(ReferenceLoRAHooks(info), problem, info)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tensors are on a CPU: "not a CUDA device"
+    hooks = lora_path.build_hooks(sglang_build(runners), problem.hidden_states, ve_info, problem.topk_ids)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert hooks.after_gate_up.__module__ != FAST
+    assert max(errors(run_hooks(hooks, problem, info), reference)) < TOLERANCE
+
+
 def test_deactivate_restores_sglangs_builder_or_leaves_ours_inert_under_another_wrapper(runners):
     original = runners.build_lora_hooks
     problem, info = make_case("mixed-ranks-top2")
