@@ -19,6 +19,23 @@ RANK_SETS = {"mixed": (8, 16, 32, 64), "r16": (16, 16, 16, 16)}
 HBM_BYTES_PER_S = 4.3e12  # what an H200 streams in practice (FACTS.md section 3)
 
 
+def batches(shape_names, token_counts):
+    """(shape name, shape, rank set, tokens, MoE weights) for every batch the LoRA MoE scripts run: each
+    shape with the mixed ranks, the GLM-5.1 shape also with all ranks 16; the weights made once a shape."""
+    from _bench import SHAPES
+
+    from sglang_lora_tma_guard import tiny_moe
+
+    for name in shape_names:
+        shape = SHAPES[name]
+        weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
+        for ranks_name in (("mixed", "r16") if name == "glm51-fp8-tp8" else ("mixed",)):
+            for tokens in token_counts:
+                yield name, shape, ranks_name, tokens, weights
+        del weights
+        torch.cuda.empty_cache()
+
+
 def cg_buffers(problem, loras: int) -> dict:
     """SGLang's CUDA-graph LoRA buffers (``moe_cg_buffers``) for this batch size, as its backend sizes them."""
     tokens, topk = problem.topk_ids.shape

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
+from _lora_setup import cg_buffers
 
 import sglang_lora_tma_guard as guard
 from sglang_lora_tma_guard import tiny_moe
@@ -40,23 +41,6 @@ from harness import real_lora  # noqa: E402  (SGLang's LoRA hooks on a tiny prob
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 RANKS = (8, 16, 32, 64)
-
-
-def cg_buffers(problem, loras: int) -> dict:
-    """SGLang's CUDA-graph LoRA buffers (``moe_cg_buffers``) for this batch size, as its backend sizes them."""
-    tokens, topk = problem.topk_ids.shape
-    experts, block_m = problem.num_experts, 64
-    padded = -(-(tokens * topk + experts * (block_m - 1)) // block_m) * block_m
-    blocks = padded // block_m
-    i32 = dict(dtype=torch.int32, device="cuda")
-    return {
-        "sorted_token_ids_lora": torch.empty(loras * padded, **i32),
-        "expert_ids_lora": torch.empty(loras * blocks, **i32),
-        "num_tokens_post_padded_lora": torch.empty(loras, **i32),
-        "lora_ids": torch.arange(loras, **i32),
-        "cumsum_buffer": torch.zeros(loras * (experts + 1), **i32),
-        "token_mask": torch.empty(loras * tokens * topk, **i32),
-    }
 
 
 def measure(capture_mode, shape_name, shape, tokens, weights, kinds) -> list[dict]:

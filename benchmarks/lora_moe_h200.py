@@ -27,8 +27,8 @@ import sys
 import time
 
 import torch
-from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
-from _lora_setup import HBM_BYTES_PER_S, RANK_SETS, floor_bytes, lora_info
+from _bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
+from _lora_setup import HBM_BYTES_PER_S, RANK_SETS, batches, floor_bytes, lora_info
 
 import sglang_lora_tma_guard as guard
 from sglang_lora_tma_guard import lora_path, tiny_moe
@@ -164,18 +164,12 @@ def main(argv=None) -> int:
             "gpu": torch.cuda.get_device_name(0)}
     print(json.dumps(meta), flush=True)
     rows = []
-    for name in args.shapes:
-        shape = SHAPES[name]
-        weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
-        for ranks_name in (("mixed", "r16") if name == "glm51-fp8-tp8" else ("mixed",)):
-            for tokens in args.tokens:
-                t0 = time.perf_counter()
-                rows.append(measure(model_capture_mode, name, shape, ranks_name, tokens, weights))
-                print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
-                (out / "lora_moe_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-                (out / "lora_moe_h200.md").write_text(markdown(rows, meta))
-        del weights
-        torch.cuda.empty_cache()
+    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
+        t0 = time.perf_counter()
+        rows.append(measure(model_capture_mode, name, shape, ranks_name, tokens, weights))
+        print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
+        (out / "lora_moe_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (out / "lora_moe_h200.md").write_text(markdown(rows, meta))
     guard.deactivate()
     print(markdown(rows, meta))
     return 0

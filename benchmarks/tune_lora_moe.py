@@ -18,8 +18,8 @@ import time
 from dataclasses import asdict, replace
 
 import torch
-from _bench import SHAPES, benchmark_parser, capture, prepare_sglang, replay_times, results_dir
-from _lora_setup import RANK_SETS, lora_info
+from _bench import benchmark_parser, capture, prepare_sglang, replay_times, results_dir
+from _lora_setup import RANK_SETS, batches, lora_info
 
 from sglang_lora_tma_guard import lora_moe, tiny_moe, tuning
 from sglang_lora_tma_guard.lora_path import token_adapters
@@ -130,21 +130,15 @@ def main(argv=None) -> int:
     table: dict = {gpu: {}}
     lines = ["| shape | ranks | tokens | block_m | gate-up tiles | down tiles | LoRA ms (tuned) |",
              "|---|---|---|---|---|---|---|"]
-    for name in args.shapes:
-        shape = SHAPES[name]
-        weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
-        for ranks_name in (("mixed", "r16") if name == "glm51-fp8-tp8" else ("mixed",)):
-            for tokens in args.tokens:
-                t0 = time.perf_counter()
-                key, entry, _ = tune_batch(shape, ranks_name, tokens, weights)
-                table[gpu].setdefault(key, []).append(entry)
-                lines.append(f"| {name} | {ranks_name} | {tokens} | {entry['block_m']} | {_tiles(entry['gate_up'])} "
-                             f"| {_tiles(entry['down'])} | {entry['ms']:.3f} |")
-                print(lines[-1], f"  # {time.perf_counter() - t0:.1f} s", flush=True)
-                (out / "lora_moe_tiles.json").write_text(json.dumps(table, indent=1) + "\n")
-                (out / "tune_lora_moe.md").write_text("\n".join(lines) + "\n")
-        del weights
-        torch.cuda.empty_cache()
+    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
+        t0 = time.perf_counter()
+        key, entry, _ = tune_batch(shape, ranks_name, tokens, weights)
+        table[gpu].setdefault(key, []).append(entry)
+        lines.append(f"| {name} | {ranks_name} | {tokens} | {entry['block_m']} | {_tiles(entry['gate_up'])} "
+                     f"| {_tiles(entry['down'])} | {entry['ms']:.3f} |")
+        print(lines[-1], f"  # {time.perf_counter() - t0:.1f} s", flush=True)
+        (out / "lora_moe_tiles.json").write_text(json.dumps(table, indent=1) + "\n")
+        (out / "tune_lora_moe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
