@@ -56,7 +56,7 @@ CASES = {
     "fused-shared-expert-route": Case(shared_expert_route=True),
     "filtered-routes": Case(filtered=True),
 }
-DEFAULT_RUN = {"mixed-ranks-top2", "fused-shared-expert-route", "shared-outer"}
+DEFAULT_RUN = {"mixed-ranks-top2", "fused-shared-expert-route"}  # the rest in the full run (CI)
 
 
 def case_params():
@@ -147,6 +147,7 @@ def test_sglangs_virtual_experts_path_is_wrong_on_gated_moe_only(runners, name):
         assert gate_up_err < TOLERANCE, gate_up_err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_m, config", [
     (16, lora_moe.StageConfig(split_k=2, shrink_block_k=64)),
     (32, lora_moe.StageConfig(shrink_block_r=32, expand_block_r=32, expand_block_n=32)),
@@ -210,6 +211,7 @@ def test_a_batch_it_does_not_cover_goes_to_sglangs_hooks_with_one_log_line(runne
     assert len(lines) == 1 and "fully sharded" in lines[0], lines
 
 
+@pytest.mark.slow
 def test_a_virtual_experts_batch_it_does_not_cover_goes_to_sglangs_default_path(runners, monkeypatch):
     """Not to SGLang's virtual-experts path, which is wrong on this gated MoE."""
     problem, info = make_case("mixed-ranks-top2")
@@ -279,7 +281,9 @@ def test_dynamo_traces_the_fast_builder(runners, monkeypatch):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("value, mode", [("fast", "fast"), ("1", "correct"), ("plain", "correct"), ("0", None)])
+@pytest.mark.parametrize("value, mode", [("fast", "fast"), pytest.param("1", "correct", marks=pytest.mark.slow),
+                                         pytest.param("plain", "correct", marks=pytest.mark.slow),
+                                         pytest.param("0", None, marks=pytest.mark.slow)])
 def test_switch_and_check_say_which_lora_moe_hooks_a_server_builds(runners, value, mode):
     from sglang_lora_tma_guard import check
     from sglang_lora_tma_guard.settings import ENV_VAR, read_switch
