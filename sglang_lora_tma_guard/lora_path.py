@@ -25,10 +25,8 @@ import threading
 from dataclasses import dataclass
 from enum import Enum
 
-import torch
 import wrapt
 
-from . import lora_moe, tuning
 from .guard import Engaged
 
 logger = logging.getLogger("sglang_lora_tma_guard")
@@ -59,13 +57,15 @@ def is_gated(lora_info) -> bool:
     return lora_info.gate_up_lora_a_weights.shape[2] > lora_info.max_lora_rank
 
 
-def not_covered(lora_info, hidden_states: torch.Tensor, topk_ids: torch.Tensor) -> str | None:
+def not_covered(lora_info, hidden_states, topk_ids) -> str | None:
     """Why this batch goes to SGLang's hooks, or None: the package's hooks compute it."""
     r = int(lora_info.max_lora_rank)
     ga, gb = lora_info.gate_up_lora_a_weights, lora_info.gate_up_lora_b_weights
     da, db = lora_info.down_lora_a_weights, lora_info.down_lora_b_weights
     if getattr(lora_info, "fully_sharded", False) and getattr(lora_info, "tp_size", 1) > 1:
         return "fully sharded LoRA weights (--enable-lora-fully-sharded at tp > 1)"
+    import torch
+
     device = hidden_states.device.type
     if device != "cuda" and not (device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         return f"tensors on {device}, not a CUDA device"
@@ -89,8 +89,10 @@ def not_covered(lora_info, hidden_states: torch.Tensor, topk_ids: torch.Tensor) 
     return None
 
 
-def token_adapters(lora_info, tokens: int) -> torch.Tensor:
+def token_adapters(lora_info, tokens: int):
     """Each token's adapter slot (-1: none). SGLang 0.5.13+ gives it; 0.5.11-0.5.12 from the segments."""
+    import torch
+
     mapping = getattr(lora_info, "token_lora_mapping", None)
     if mapping is not None:
         return mapping.to(torch.int32)
@@ -104,6 +106,10 @@ def token_adapters(lora_info, tokens: int) -> torch.Tensor:
 
 def build_hooks(original, hidden_states, lora_info, topk_ids):
     """This package's hooks for the batch, or SGLang's (``original``) where it is not covered."""
+    import torch
+
+    from . import lora_moe, tuning  # torch and Triton: imported when SGLang builds its first LoRA batch
+
     module = sys.modules.get(MODULE)
     if lora_info is None or lora_info.max_lora_rank == 0:
         return original(hidden_states, lora_info, topk_ids)

@@ -23,7 +23,7 @@ import torch
 from harness import real_lora
 from reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
 
-from sglang_lora_tma_guard import lora_moe, lora_path, tiny_moe
+from sglang_lora_tma_guard import lora_moe, lora_path, tiny_moe, tuning
 
 pytestmark = pytest.mark.real
 
@@ -157,8 +157,8 @@ def test_tiles_and_routing_paths_agree_with_the_reference(runners, block_m, conf
     problem, info = make_case("mixed-ranks-top2", seed=3)
     reference = run_hooks(ReferenceLoRAHooks(info), problem, info)
     monkeypatch.setattr(lora_moe, "ONE_PROGRAM_PAIRS", 0)
-    plan = lora_path.tuning.Plan(block_m, config, config)
-    monkeypatch.setattr(lora_path.tuning, "plan", lambda *args, **kwargs: plan)
+    plan = tuning.Plan(block_m, config, config)
+    monkeypatch.setattr(tuning, "plan", lambda *args, **kwargs: plan)
     fast = run_hooks(lora_path.build_hooks(sglang_build(runners), problem.hidden_states, info, problem.topk_ids),
                      problem, info)
     assert max(errors(fast, reference)) < TOLERANCE
