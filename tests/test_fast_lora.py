@@ -56,7 +56,7 @@ CASES = {
     "fused-shared-expert-route": Case(shared_expert_route=True),
     "filtered-routes": Case(filtered=True),
 }
-DEFAULT_RUN = {"mixed-ranks-top2", "fused-shared-expert-route"}  # the rest in the full run (CI)
+DEFAULT_RUN = {"mixed-ranks-top2"}  # the rest in the full run (CI)
 
 
 def case_params():
@@ -131,8 +131,8 @@ def test_fast_hooks_add_each_adapters_delta(runners, name):
         assert all(f <= d + ONE_FP16_STEP for f, d in zip(fast_err, default_err)), (fast_err, default_err)
 
 
-@pytest.mark.parametrize("name", [pytest.param("mixed-ranks-top2"), pytest.param("shared-outer", marks=pytest.mark.slow),
-                                  pytest.param("ungated", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default run sees it wrong in test_guard_corrects_sglangs_virtual_experts_path
+@pytest.mark.parametrize("name", ["mixed-ranks-top2", "shared-outer", "ungated"])
 def test_sglangs_virtual_experts_path_is_wrong_on_gated_moe_only(runners, name):
     problem, info = make_case(name)
     reference = run_hooks(ReferenceLoRAHooks(info), problem, info)
