@@ -104,6 +104,7 @@ def runners(fm):
     real_lora.enable_cpu_lora_ops()
     from sglang.srt.lora import lora_moe_runners
 
+    lora_path.deactivate()  # whatever an earlier test module armed: SGLang's own builder to start from
     return lora_moe_runners
 
 
@@ -225,7 +226,11 @@ def test_a_virtual_experts_batch_it_does_not_cover_goes_to_sglangs_default_path(
 
 
 def test_deactivate_restores_sglangs_builder_or_leaves_ours_inert_under_another_wrapper(runners):
+    import inspect
+
+    lora_path.deactivate()
     original = runners.build_lora_hooks
+    assert original is inspect.unwrap(original)
     problem, info = make_case("mixed-ranks-top2")
     try:
         lora_path.activate(lora_path.Mode.FAST)
