@@ -81,6 +81,10 @@ def not_covered(lora_info, hidden_states, topk_ids) -> str | None:
             or gb.shape[2] % halves):
         return (f"LoRA buffers of an unexpected layout (gate-up A {tuple(ga.shape)}, B {tuple(gb.shape)}, "
                 f"down A {tuple(da.shape)}, B {tuple(db.shape)}, rank {r})")
+    slots = lora_info.lora_ranks.numel()
+    if slots > ga.shape[0] or lora_info.adapter_enabled.numel() < slots:
+        return (f"{slots} adapter slots for LoRA buffers of {ga.shape[0]} "
+                f"and {lora_info.adapter_enabled.numel()} enabled flags")
     if topk_ids is None or topk_ids.dim() != 2 or hidden_states.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
         return "routing of an unexpected shape"
     mapping = getattr(lora_info, "token_lora_mapping", None)
