@@ -63,7 +63,7 @@ def not_covered(lora_info, hidden_states, topk_ids) -> str | None:
     ga, gb = lora_info.gate_up_lora_a_weights, lora_info.gate_up_lora_b_weights
     da, db = lora_info.down_lora_a_weights, lora_info.down_lora_b_weights
     if getattr(lora_info, "fully_sharded", False) and getattr(lora_info, "tp_size", 1) > 1:
-        return "fully sharded LoRA weights (--enable-lora-fully-sharded at tp > 1)"
+        return "fully sharded LoRA weights at tp > 1 (LoRAInfo.fully_sharded)"
     import torch
 
     device = hidden_states.device.type
