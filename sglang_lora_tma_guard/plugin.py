@@ -3,8 +3,10 @@
 SGLang's ``load_plugins()`` calls :func:`register` once in every process it starts: the launcher,
 each scheduler (one per GPU rank) and the offline ``Engine``. It reads the switch and arms both
 fixes: the TMA guard (:mod:`~sglang_lora_tma_guard.guard`; the patch happens when SGLang imports its
-fused-MoE module) and the shared-expert fix (:mod:`~sglang_lora_tma_guard.fusion`; its hooks on
-``ServerArgs`` are applied by ``load_plugins()`` right after this returns).
+fused-MoE module), the shared-expert fix (:mod:`~sglang_lora_tma_guard.fusion`; its hooks on
+``ServerArgs`` are applied by ``load_plugins()`` right after this returns) and the LoRA MoE hook
+builder (:mod:`~sglang_lora_tma_guard.lora_path`: the fast path with ``=fast``, else SGLang's own
+hooks with its virtual-experts path corrected; placed when SGLang imports its LoRA MoE runners).
 
 A scheduler process runs ``load_plugins()`` before it configures logging (SGLang 0.5.16), so a line
 logged while the guard installs there goes nowhere. Where that process's scheduler module is
