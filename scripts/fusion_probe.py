@@ -98,17 +98,20 @@ RUNNER_LOOKUP = "from sglang.srt.lora.lora_moe_runners import build_lora_hooks"
 def lora_path_check(tokens: int = 6, topk: int = 2, experts: int = 4, hidden: int = 64, inter: int = 32) -> dict:
     """The LoRA MoE seam on this release (guard on, as loaded by ``load_plugins()``), then in fast mode."""
     import dataclasses
+    import importlib.util
     import inspect
+    from pathlib import Path
 
     import torch
-    from sglang.srt.layers.moe.moe_runner import runner
     from sglang.srt.lora import lora_moe_runners as runners
 
     from sglang_lora_tma_guard import lora_path
 
-    # Looked up inside the runner's method (indented), so the module attribute is the seam.
+    # Looked up inside the runner's method (indented), so the module attribute is the seam. Read from
+    # the runner's file: importing the runner costs seconds a release and proves nothing more.
+    runner_file = Path(importlib.util.find_spec("sglang.srt.layers.moe.moe_runner.runner").origin)
     looked_up = any(line.strip() == RUNNER_LOOKUP and line.startswith(" ")
-                    for line in inspect.getsource(runner).splitlines())
+                    for line in runner_file.read_text().splitlines())
     placed = lora_path.status()
     lora_path.activate(lora_path.Mode.FAST)
     g = torch.Generator().manual_seed(0)
