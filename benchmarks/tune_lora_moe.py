@@ -110,11 +110,10 @@ def tune_batch(shape, ranks_name, tokens, weights):
                                   info.down_lora_b_weights, 1, topk, problem.topk_weights)
         results.append((route_ms + gate_up_ms + down_ms, block_m, gate_up, down, route_ms))
     total, block_m, gate_up, down, route_ms = min(results, key=lambda item: item[0])
-    rule = tuning.plan(tok * topk, hidden.shape[1], act.shape[1], experts, ranks.numel(), info.max_lora_rank, True)
     key = tuning.shape_key(hidden.shape[1], act.shape[1], experts, info.max_lora_rank)
     entry = {"max_pairs": tok * topk, "block_m": block_m, "gate_up": asdict(gate_up), "down": asdict(down),
              "ms": round(total, 4), "route_ms": round(route_ms, 4)}
-    return key, entry, rule
+    return key, entry
 
 
 def _tiles(t: dict) -> str:
@@ -132,7 +131,7 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|---|"]
     for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
         t0 = time.perf_counter()
-        key, entry, _ = tune_batch(shape, ranks_name, tokens, weights)
+        key, entry = tune_batch(shape, ranks_name, tokens, weights)
         table[gpu].setdefault(key, []).append(entry)
         lines.append(f"| {name} | {ranks_name} | {tokens} | {entry['block_m']} | {_tiles(entry['gate_up'])} "
                      f"| {_tiles(entry['down'])} | {entry['ms']:.3f} |")

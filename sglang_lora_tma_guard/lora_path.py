@@ -129,7 +129,7 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
     ranks, enabled = lora_info.lora_ranks.to(torch.int32), lora_info.adapter_enabled.to(torch.int32)
     r, halves = int(lora_info.max_lora_rank), 2 if is_gated(lora_info) else 1
     tiles = tuning.plan(tokens * topk, hidden_states.shape[1], lora_info.down_lora_a_weights.shape[3], experts,
-                        ranks.numel(), r, halves == 2)
+                        ranks.numel(), r)
     routing = lora_moe.route(topk_ids, token_adapters(lora_info, tokens), enabled, ranks, experts, tiles.block_m)
     shape = tuple(topk_ids.shape)
     theirs = []

@@ -69,8 +69,7 @@ def _stage(values: dict) -> StageConfig:
     return StageConfig(**{key: value for key, value in values.items() if key in names})
 
 
-def plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: int, max_rank: int,
-         gated: bool) -> Plan:
+def plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: int, max_rank: int) -> Plan:
     """The tiling for a batch of ``num_pairs`` (tokens x topk) on this GPU."""
     buckets = _table(os.environ.get(TILES_ENV) or None).get(_gpu(), {}).get(
         shape_key(hidden, intermediate, experts, max_rank))
