@@ -42,7 +42,7 @@ import warnings
 from dataclasses import dataclass
 from importlib import metadata
 
-from . import __version__, exposure, fusion, guard, selftest
+from . import __version__, exposure, fusion, guard, lora_path, selftest
 from .inspection import (
     FLAG_PARAM,
     HOOKS_PARAM,
@@ -277,10 +277,8 @@ def guard_report(strategy: Strategy) -> GuardReport:
 
 
 def lora_path_report(switch) -> LoRAPathReport:
-    mode = ("fast" if switch.fast else "correct") if switch.enabled else None
+    mode = (lora_path.Mode.FAST if switch.fast else lora_path.Mode.CORRECT).value if switch.enabled else None
     try:
-        from . import lora_path  # imports torch and Triton: only once SGLang itself imported
-
         module = importlib.import_module(lora_path.MODULE)
     except Exception as error:  # an SGLang without LoRA MoE runners: nothing to place
         return LoRAPathReport(mode, None, None, f"{type(error).__name__}: {error}"[:300])
@@ -395,7 +393,7 @@ def _virtual_experts_part(report: Report) -> list[tuple[str, str]]:
     if found.mode is not None:
         return [("fixed", "--lora-use-virtual-experts on a gated MoE is corrected (SGLang's own path computes "
                           "the up half of the gate-up delta from the gate half's A)"
-                 + ("; LoRA MoE deltas on the fast path" if found.mode == "fast" else ""))]
+                 + ("; LoRA MoE deltas on the fast path" if found.mode == lora_path.Mode.FAST else ""))]
     return [("ok", "do not pass --lora-use-virtual-experts without the guard: SGLang's own path is wrong on "
                    "gated MoE in this release")]
 
@@ -584,9 +582,9 @@ def _render_lora_path(found: LoRAPathReport | None) -> list[str]:
         return [f"  LoRA MoE hooks    SGLang's builder not found here ({found.error or 'no build_lora_hooks'})"]
     ve = ("right in this release" if found.virtual_experts_fixed_upstream
           else "wrong on gated MoE in this release (the up half from the gate half's A)")
-    if found.mode == "fast":
+    if found.mode == lora_path.Mode.FAST:
         what = "fast virtual-experts path (SGLang's hooks for what it does not cover)"
-    elif found.mode == "correct":
+    elif found.mode == lora_path.Mode.CORRECT:
         what = ("SGLang's own" if found.virtual_experts_fixed_upstream
                 else "SGLang's own; --lora-use-virtual-experts corrected")
     else:

@@ -2,7 +2,8 @@
 
 Each (token, route) pair of a batch belongs to one *virtual expert*: its adapter slot times the
 experts in the LoRA buffers, plus its expert. Pairs are grouped by virtual expert into blocks of
-``BLOCK_M`` rows (:func:`route`, three small kernels, no host sync), and each hook's delta is two
+``BLOCK_M`` rows (:func:`route`: one Triton program for small batches, three small kernels for larger
+ones, no host sync), and each hook's delta is two
 grouped GEMMs over those blocks (:func:`add_delta`):
 
 - shrink: ``t[pair, :r] = x[pair] @ A[adapter, expert][:r].T`` (``x``: the token's hidden state for
