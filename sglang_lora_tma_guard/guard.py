@@ -25,11 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
-import threading
 from dataclasses import asdict, dataclass
-
-import wrapt
 
 from . import weight_tma
 from .inspection import (
@@ -42,38 +38,21 @@ from .inspection import (
     sglang_version,
     version_note,
 )
+from .patching import LOCK, Engaged, Patch
 
 logger = logging.getLogger("sglang_lora_tma_guard")
 
-class Engaged:
-    """A wrapper's on/off switch. Off, it passes every call through untouched: where other code
-    wraps the guard's wrapper, the wrapper cannot leave the call chain, so ``deactivate()`` turns
-    it off instead."""
-
-    __slots__ = ("on",)
-
-    def __init__(self, on: bool = True):
-        self.on = on
-
-
 @dataclass
 class _State:
-    """Everything the guard holds in a process; read and written under ``_lock``."""
+    """What the guard decided in this process; read and written under the patches' lock."""
 
-    wanted: bool = False
-    """``activate()`` was called and not undone."""
     weight_tma: bool = True
     """False: the plain fix only (``SGLANG_LORA_TMA_GUARD=plain``)."""
-    watching: bool = False
-    """The post-import hook on SGLang's fused-MoE module is registered."""
-    wrapper: object = None
-    """The wrapper this guard placed, recognised by identity (the handle for ``unwrap_object``)."""
-    engaged: Engaged | None = None
     inspection: Inspection | None = None
+    """The strategy read from the installed function when the patch was last built."""
 
 
-_lock = threading.RLock()
-# Kept across importlib.reload of this module, so that a reloaded guard still knows its wrapper.
+# Kept across importlib.reload of this module, as the patch itself is (see patching.Patch).
 _state: _State = globals().get("_state") or _State()
 
 
@@ -191,141 +170,9 @@ def _make_fallback_guarded(original, inspection: Inspection, engaged: Engaged):
     return _fused_moe_kernel_sequence
 
 
-def _in_call_chain(func) -> bool:
-    """Is this guard's wrapper ``func``, or wrapped by it at any depth (wrapt or ``__wrapped__``)?"""
-    if _state.wrapper is None or func is None:
-        return False
-    try:
-        return wrapt.find_wrapper(func, _state.wrapper) is not None
-    except Exception:  # a chain too deep to scan: say what is certain
-        return func is _state.wrapper
-
-
-def activate(weight_tma: bool = True) -> GuardStatus:
-    """Guard ``_fused_moe_kernel_sequence`` now, or as soon as its module is imported. Never raises.
-
-    ``weight_tma=False`` keeps the plain fix (hooked calls run with ``down_moe_use_tma=False``)
-    even where the weight-TMA variant could be built. Idempotent: a second call with the same
-    choice (a second ``load_plugins()``, another thread) installs nothing twice; another choice
-    replaces the installed wrapper where it is outermost. A wrapper left inert by ``deactivate()``
-    under other code's wrapper is turned back on.
-    """
-    with _lock:
-        changed = _state.weight_tma != weight_tma
-        _state.wanted, _state.weight_tma = True, weight_tma
-        watch, _state.watching = not _state.watching, True
-    if watch:
-        # Outside our lock: wrapt runs the hook at once when the module is already imported, and
-        # an import finishing in another thread runs it too; neither may wait on us while we
-        # wait on wrapt.
-        wrapt.register_post_import_hook(_on_target_import, TARGET_MODULE)
-    with _lock:
-        module = _imported_target()
-        if module is None:
-            return status()
-        current = getattr(module, TARGET_NAME, None)
-        if _state.wrapper is not None and not _in_call_chain(current):
-            _forget()  # other code replaced the function wholesale: ours is gone
-        if _state.wrapper is not None and changed:
-            if current is _state.wrapper:
-                _remove(module)
-            else:
-                logger.warning(
-                    "sglang-lora-tma-guard: %s is wrapped by other code above the guard; keeping "
-                    "strategy %s instead of switching to the %s", TARGET, _state.inspection.strategy.name,
-                    "weight-TMA fix" if weight_tma else "plain fix")
-        if _state.wrapper is None:
-            _install(module)
-        if _state.engaged is not None:
-            _state.engaged.on = True
-        return status()
-
-
-def deactivate() -> GuardStatus:
-    """Put the original function object back and stop guarding later imports. Never raises.
-
-    Where other code has wrapped the guard's wrapper since (a ``functools.wraps`` closure set on
-    the module, an ``AROUND`` hook of SGLang's registry), the wrapper cannot leave the call chain:
-    it stays there inert, passing every call through untouched, until ``activate()``.
-    """
-    with _lock:
-        _state.wanted = False
-        module = sys.modules.get(TARGET_MODULE)
-        if module is not None and _state.wrapper is not None:
-            _remove(module)
-        return status()
-
-
-def _remove(module) -> None:
-    """Take this guard's wrapper out of the call chain, or turn it off where it cannot leave."""
-    try:
-        removed = wrapt.unwrap_object(module, TARGET_NAME, _state.wrapper, missing_ok=True)
-    except Exception:  # WrapperNotOutermostError and kin: something sits above us
-        removed = None
-    if _in_call_chain(getattr(module, TARGET_NAME, None)):
-        _state.engaged.on = False
-        logger.warning(
-            "sglang-lora-tma-guard: %s is wrapped by other code above the guard, so the guard cannot "
-            "leave the call chain; it stays there inert, passing every call through untouched", TARGET)
-        return
-    if removed is None:
-        logger.warning("sglang-lora-tma-guard: %s was replaced by other code after the guard was "
-                       "installed; left as it is", TARGET)
-    else:
-        logger.info("sglang-lora-tma-guard: removed from %s", TARGET)
-    _forget()
-
-
-def _forget() -> None:
-    _state.wrapper = _state.engaged = _state.inspection = None
-
-
-def status() -> GuardStatus:
-    """What the guard does in this process now, read from the module and the wrapper themselves."""
-    with _lock:
-        module = sys.modules.get(TARGET_MODULE)
-        current = getattr(module, TARGET_NAME, None) if module is not None else None
-        in_chain = _in_call_chain(current)
-        engaged = in_chain and _state.engaged is not None and _state.engaged.on
-        inspection = _state.inspection
-        return GuardStatus(
-            active=_state.wanted and (engaged or inspection is None or not inspection.strategy.installs_wrapper),
-            installed=in_chain,
-            inert=in_chain and not engaged,
-            target_imported=module is not None,
-            strategy=inspection.strategy if inspection else None,
-            reason=inspection.reason if inspection else None,
-            sglang_version=sglang_version(),
-        )
-
-
-def _imported_target():
-    """The fused-MoE module once its import has finished, else None (the import hook will come)."""
-    module = sys.modules.get(TARGET_MODULE)
-    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
-        return None
-    return module
-
-
-def _on_target_import(module) -> None:
-    # Runs inside the import of SGLang's fused-MoE module: an exception here would break that
-    # import and with it the server, so every failure is logged and the module left as it is.
-    try:
-        with _lock:
-            if _state.wanted and _state.wrapper is None:
-                _install(module)
-    except Exception:
-        logger.exception(
-            "sglang-lora-tma-guard: could not guard %s; SGLang runs unguarded. "
-            "Please report this with the output of `python -m sglang_lora_tma_guard.check`.",
-            TARGET,
-        )
-
-
-def _install(module) -> None:
-    """Inspect the installed function, build the weight-TMA copy where asked, then wrap it once."""
-    current = getattr(module, TARGET_NAME, None)
-    inspection = inspect_target(current, weight_tma=_state.weight_tma)
+def _make(original, engaged: Engaged):
+    """The patch's builder: inspect the installed function, build the weight-TMA copy where asked."""
+    inspection = inspect_target(original, weight_tma=_state.weight_tma)
     version = sglang_version()
     note = version_note(version)
     if note:
@@ -333,18 +180,15 @@ def _install(module) -> None:
     variant = None
     if inspection.strategy is Strategy.WEIGHT_TMA:
         try:
-            variant = weight_tma.build(current)
+            variant = weight_tma.build(original)
         except Exception as exc:  # the copy did not build: the plain fix is always possible
             logger.warning(
                 "sglang-lora-tma-guard: the weight-TMA variant of %s did not build (%s: %s); "
                 "using the plain fix", TARGET, type(exc).__name__, exc,
             )
-            inspection = inspect_target(current, weight_tma=False)
+            inspection = inspect_target(original, weight_tma=False)
     _state.inspection = inspection
     if inspection.strategy.installs_wrapper:
-        engaged = Engaged()
-        _state.wrapper = wrapt.wrap_object(module, TARGET_NAME, make_guarded, (inspection, variant, engaged))
-        _state.engaged = engaged
         logger.info(
             "sglang-lora-tma-guard: SGLang %s, strategy %s: %s in %s",
             version, inspection.strategy.name, inspection.reason, TARGET,
@@ -352,7 +196,8 @@ def _install(module) -> None:
         if inspection.strategy is Strategy.FLAG and inspection.weight_tma_unavailable and _state.weight_tma:
             logger.info("sglang-lora-tma-guard: no weight TMA for hooked calls: %s",
                         inspection.weight_tma_unavailable)
-    elif inspection.strategy is Strategy.UNSUPPORTED:
+        return make_guarded(original, inspection, variant, engaged)
+    if inspection.strategy is Strategy.UNSUPPORTED:
         logger.warning(
             "sglang-lora-tma-guard: SGLang %s, strategy %s: %s. Not patched: LoRA adapters on MoE "
             "models may still produce garbled output where a tuned config turns TMA on.",
@@ -362,4 +207,57 @@ def _install(module) -> None:
         logger.info(
             "sglang-lora-tma-guard: SGLang %s, strategy %s: %s; nothing to patch",
             version, inspection.strategy.name, inspection.reason,
+        )
+    return None
+
+
+PATCH = Patch("TMA guard", TARGET_MODULE, TARGET_NAME, _make)
+
+
+def activate(weight_tma: bool = True) -> GuardStatus:
+    """Guard ``_fused_moe_kernel_sequence`` now, or as soon as its module is imported. Never raises.
+
+    ``weight_tma=False`` keeps the plain fix (hooked calls run with ``down_moe_use_tma=False``)
+    even where the weight-TMA variant could be built. Idempotent: a second call with the same
+    choice (a second ``load_plugins()``, another thread) installs nothing twice; another choice
+    rebuilds the installed wrapper where it is outermost (else the current one stays, with a
+    warning). A wrapper left inert by ``deactivate()`` under other code's wrapper is turned back on.
+    """
+    with LOCK:
+        changed = _state.weight_tma != weight_tma
+        _state.weight_tma = weight_tma
+        was_installed = PATCH.status().installed
+    PATCH.activate()
+    if changed and was_installed:
+        PATCH.replace()
+    return status()
+
+
+def deactivate() -> GuardStatus:
+    """Put the original function object back and stop guarding later imports. Never raises.
+
+    Where other code has wrapped the guard's wrapper since (a ``functools.wraps`` closure set on
+    the module, an ``AROUND`` hook of SGLang's registry), the wrapper cannot leave the call chain:
+    it stays there inert, passing every call through untouched, until ``activate()``.
+    """
+    with LOCK:
+        PATCH.deactivate()
+        if not PATCH.status().installed:
+            _state.inspection = None
+        return status()
+
+
+def status() -> GuardStatus:
+    """What the guard does in this process now, read from the module and the wrapper themselves."""
+    with LOCK:
+        patch = PATCH.status()
+        inspection = _state.inspection if (patch.installed or patch.wanted) else None
+        return GuardStatus(
+            active=patch.wanted and (patch.working or inspection is None or not inspection.strategy.installs_wrapper),
+            installed=patch.installed,
+            inert=patch.inert,
+            target_imported=patch.imported,
+            strategy=inspection.strategy if inspection else None,
+            reason=inspection.reason if inspection else None,
+            sglang_version=sglang_version(),
         )
