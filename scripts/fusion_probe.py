@@ -67,7 +67,7 @@ def main() -> None:
     import sglang.srt.plugins as plugins
 
     plugins.load_plugins()
-    from sglang_lora_tma_guard import fusion
+    from sglang_lora_tma_guard import serving
 
     records = {name: build(**kwargs) for name, kwargs in CASES.items()}
     if hasattr(early, "resolve_once"):
@@ -81,8 +81,8 @@ def main() -> None:
     received = child_reads([*records.values(), early])
     result = {
         "version": getattr(sglang, "__version__", None),
-        "hooked": f"ServerArgs.{fusion.resolution_method(ServerArgs)}",
-        "fix_active": fusion.active(),
+        "hooked": f"ServerArgs.{serving.resolution_method(ServerArgs)}",
+        "fix_active": serving.active(),
         **dict(zip(records, received)),
         "resolved_before_plugins": {"before_check": early_before_check, "child": received[-1],
                                     "check_error": early_error},

@@ -42,7 +42,7 @@ import warnings
 from dataclasses import dataclass
 from importlib import metadata
 
-from . import __version__, exposure, fusion, guard, lora_path, selftest
+from . import __version__, exposure, guard, lora_path, selftest, serving
 from .inspection import (
     FLAG_PARAM,
     HOOKS_PARAM,
@@ -294,15 +294,13 @@ def _try_the_fusion_fix() -> FusionFixTrial:
     process (SGLang's registry cannot take them back) and go inert when the fix was off before.
     """
     try:
-        from sglang.srt.plugins.hook_registry import HookRegistry
         from sglang.srt.server_args import ServerArgs
     except ImportError as exc:
         return FusionFixTrial(None, False, f"{type(exc).__name__}: {exc}")
-    hook = f"ServerArgs.{fusion.resolution_method(ServerArgs)}"
-    was_active = fusion.active()
+    hook = f"ServerArgs.{serving.resolution_method(ServerArgs)}"
+    was_active = serving.active()
     try:
-        fusion.activate()
-        HookRegistry.apply_hooks()
+        serving.arm()
         record = ServerArgs(model_path="dummy", enable_lora=True)
         if hasattr(record, "resolve_once"):
             record.resolve_once()
@@ -312,7 +310,7 @@ def _try_the_fusion_fix() -> FusionFixTrial:
         return FusionFixTrial(hook, False, f"{type(exc).__name__}: {exc}")
     finally:
         if not was_active:
-            fusion.deactivate()
+            serving.disarm()
 
 
 def _try_the_wrapper(weight_tma: bool) -> tuple[bool, Strategy | None]:

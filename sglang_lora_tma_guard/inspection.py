@@ -143,10 +143,17 @@ def has_native_guard(func) -> bool:
     ``after_gate_up`` or ``after_down`` is set. Without source (a compiled-only install) nothing is
     proven: the guard then stays on, which is harmless where SGLang does turn TMA off itself.
     """
-    func = inspect.unwrap(func)
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
-    except (OSError, TypeError, SyntaxError):
+        return native_guard_in(inspect.getsource(inspect.unwrap(func)))
+    except (OSError, TypeError):
+        return False
+
+
+def native_guard_in(source: str) -> bool:
+    """:func:`has_native_guard` on the source text of the function's definition."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
         return False
     node = tree.body[0] if tree.body else None
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

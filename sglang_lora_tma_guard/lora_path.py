@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 import os
 import sys
-import threading
 from dataclasses import dataclass
 from enum import Enum
 
-import wrapt
-
-from .guard import Engaged
+from .patching import LOCK, Engaged, Patch
 
 logger = logging.getLogger("sglang_lora_tma_guard")
 
@@ -165,9 +161,8 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
 def sglang_hooks_for(original, hidden_states, lora_info, topk_ids):
     """SGLang's own hooks for a batch the fast path does not take: its default path where it would
     take its virtual-experts path on a gated MoE in a release where that path is wrong."""
-    module = sys.modules.get(MODULE)
-    fixed = _state.ve_fixed if _state.wrapper is not None else module is not None and virtual_experts_fixed_upstream(module)
-    if getattr(lora_info, "lora_use_virtual_experts", False) and is_gated(lora_info) and not fixed:
+    if (getattr(lora_info, "lora_use_virtual_experts", False) and is_gated(lora_info)
+            and not _state.ve_fixed):
         lora_info = dataclasses.replace(lora_info, lora_use_virtual_experts=False)
     return original(hidden_states, lora_info, topk_ids)
 
@@ -186,14 +181,14 @@ def _say_once(reason: str) -> None:
 # SGLang's virtual-experts path: wrong on gated MoE up to 0.5.22.
 
 
-def virtual_experts_fixed_upstream(module) -> bool:
+def virtual_experts_fixed_upstream(module=None) -> bool:
     """SGLang 0.5.23 gives each half of a gated gate-up its own A (``a_output_slices``). Read from
-    the installed code, not the version; source that cannot be read counts as not fixed (this
-    package's hooks are right either way)."""
-    try:
-        return "a_output_slices" in inspect.getsource(module)
-    except (OSError, TypeError):
-        return False
+    the installed code (the file of ``module``, SGLang's LoRA MoE runners by default), not the
+    version; source that cannot be read counts as not fixed (this package's hooks are right either
+    way)."""
+    from .catalogue import source_of
+
+    return "a_output_slices" in (source_of(getattr(module, "__name__", MODULE)) or "")
 
 
 def replaces(mode: Mode, lora_info, ve_fixed: bool) -> bool:
@@ -214,13 +209,10 @@ def replaces(mode: Mode, lora_info, ve_fixed: bool) -> bool:
 class _State:
     mode: Mode | None = None
     """Wanted mode; None: not wanted."""
-    watching: bool = False
-    wrapper: object = None
-    engaged: Engaged | None = None
     ve_fixed: bool = False
+    """SGLang's virtual-experts path is right here (read once, when the builder is placed)."""
 
 
-_lock = threading.RLock()
 _state: _State = globals().get("_state") or _State()
 
 
@@ -235,71 +227,39 @@ def make_build(original, state: _State, engaged: Engaged):
     return build_lora_hooks
 
 
-def _install(module) -> None:
-    if _state.wrapper is not None or not callable(getattr(module, NAME, None)) or not hasattr(module, "LoRAHooks"):
-        if not hasattr(module, NAME):
-            logger.warning("sglang-lora-tma-guard: %s not found; SGLang's LoRA MoE hooks are left as they are", TARGET)
-        return
-    _state.ve_fixed = virtual_experts_fixed_upstream(module)
-    _state.engaged = Engaged()
-    _state.wrapper = wrapt.wrap_object(module, NAME, make_build, (_state, _state.engaged))
+def _make(original, engaged: Engaged):
+    module = sys.modules.get(MODULE)
+    if not callable(original) or not hasattr(module, "LoRAHooks"):
+        logger.warning("sglang-lora-tma-guard: %s not found; SGLang's LoRA MoE hooks are left as they are", TARGET)
+        return None
+    _state.ve_fixed = virtual_experts_fixed_upstream()
     if _state.mode is Mode.FAST:
         logger.info("sglang-lora-tma-guard: LoRA MoE deltas on the fast virtual-experts path (%s)", TARGET)
     elif not _state.ve_fixed:
         logger.info("sglang-lora-tma-guard: --lora-use-virtual-experts on a gated MoE is corrected "
                     "(SGLang's path computes the up half from the gate half's A)")
+    return make_build(original, _state, engaged)
 
 
-def _on_import(module) -> None:
-    try:
-        with _lock:
-            if _state.mode is not None:
-                _install(module)
-    except Exception:
-        logger.exception("sglang-lora-tma-guard: could not place its LoRA MoE hooks on %s; SGLang's are used", TARGET)
+PATCH = Patch("LoRA MoE hook builder", MODULE, NAME, _make)
 
 
 def activate(mode: Mode) -> None:
     """Build LoRA MoE hooks in ``mode`` from now on (on import of SGLang's module, or at once). Never raises."""
     try:
-        with _lock:
+        with LOCK:
             _state.mode = Mode(mode)
-            if _state.engaged is not None:
-                _state.engaged.on = True
-            watch, _state.watching = not _state.watching, True
-            module = sys.modules.get(MODULE)
-            if module is not None:
-                _install(module)
-        if watch:
-            wrapt.register_post_import_hook(_on_import, MODULE)
-    except Exception:
-        logger.exception("sglang-lora-tma-guard: could not arm its LoRA MoE hooks; SGLang's are used")
+    except ValueError:
+        logger.exception("sglang-lora-tma-guard: unknown LoRA MoE mode %r; SGLang's hooks are used", mode)
+        return
+    PATCH.activate()
 
 
 def deactivate() -> None:
     """SGLang's own hook builder again; under other code's wrapper, ours stays and passes through. Never raises."""
-    try:
-        with _lock:
-            _state.mode = None
-            module = sys.modules.get(MODULE)
-            if _state.wrapper is None or module is None:
-                return
-            removed = wrapt.unwrap_object(module, NAME, _state.wrapper, missing_ok=True)
-            if removed is None and _in_chain(getattr(module, NAME, None)):
-                _state.engaged.on = False
-                logger.warning("sglang-lora-tma-guard: %s is wrapped by other code above the guard; its LoRA "
-                               "MoE hooks stay in the chain, switched off", TARGET)
-                return
-            _state.wrapper = _state.engaged = None
-    except Exception:
-        logger.exception("sglang-lora-tma-guard: could not remove its LoRA MoE hooks")
-
-
-def _in_chain(func) -> bool:
-    try:
-        return wrapt.find_wrapper(func, _state.wrapper) is not None
-    except Exception:
-        return func is _state.wrapper
+    with LOCK:
+        _state.mode = None
+    PATCH.deactivate()
 
 
 @dataclass(frozen=True)
@@ -319,10 +279,8 @@ class PathStatus:
 
 
 def status() -> PathStatus:
-    with _lock:
-        module = sys.modules.get(MODULE)
-        installed = _state.wrapper is not None and module is not None and _in_chain(getattr(module, NAME, None))
-        fixed = _state.ve_fixed if installed else (virtual_experts_fixed_upstream(module) if module else None)
+    with LOCK:
+        patch = PATCH.status()
         mode = _state.mode.value if _state.mode is not None else None
-        return PathStatus(mode=mode, installed=installed and bool(_state.engaged and _state.engaged.on),
-                          virtual_experts_fixed_upstream=fixed)
+        return PathStatus(mode=mode, installed=patch.working,
+                          virtual_experts_fixed_upstream=virtual_experts_fixed_upstream() if patch.imported else None)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from . import fusion, guard, lora_path
+from . import guard, serving
 from .settings import ENV_VAR, invalid_value_message, read_switch
 
 logger = logging.getLogger("sglang_lora_tma_guard")
@@ -39,9 +39,7 @@ def register() -> None:
         if not switch.enabled:
             logger.debug("sglang-lora-tma-guard: %s is %s", ENV_VAR, switch.describe())
             return
-        guard.activate(weight_tma=not switch.plain)
-        fusion.activate()
-        lora_path.activate(lora_path.Mode.FAST if switch.fast else lora_path.Mode.CORRECT)
+        serving.activate(switch)
         _announce_after_scheduler_logging()
     except Exception:
         # SGLang logs and swallows plugin errors too, under its own name; say plainly whose it is.

@@ -1,8 +1,8 @@
 """The shared-expert fix: LoRA servers run with SGLang's shared-experts fusion off, or do not start.
 
 Unit tests of the decisions on stand-in records; then SGLang 0.5.16's own ``ServerArgs`` with the
-plugin loaded by ``load_plugins()`` (a fresh interpreter: SGLang's hooks are applied for good), and
-SGLang's own ``LoRAManager.init_lora_modules`` over a model with a fused and an unfused MoE layer.
+plugin loaded by ``load_plugins()`` (a fresh interpreter), and SGLang's own
+``LoRAManager.init_lora_modules`` wrapping SGLang's own ``FusedMoE`` layers, fused and not.
 """
 
 from __future__ import annotations
@@ -16,17 +16,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_lora_tma_guard import fusion
+from sglang_lora_tma_guard import serving
+from sglang_lora_tma_guard.catalogue import Deployment, RefusedDeployment
+from sglang_lora_tma_guard.patching import Engaged
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
-def fix_on():
-    was = fusion.active()
-    fusion._wanted = True  # the decision functions only; no hooks are registered here
-    yield
-    fusion._wanted = was
+def fix_on(monkeypatch):
+    monkeypatch.setattr(serving._switch, "on", True)  # the decisions only; no patches are placed here
 
 
 @pytest.mark.parametrize("fields, asked", [
@@ -38,19 +37,19 @@ def fix_on():
     (dict(enable_lora=None, lora_paths=[]), False),
 ])
 def test_lora_is_requested_exactly_as_sglang_decides_it(fields, asked):
-    assert fusion.lora_requested(SimpleNamespace(**fields)) is asked
+    assert Deployment(args=SimpleNamespace(**fields)).lora is asked
 
 
 def raw_record(**fields):
     base = dict(enable_lora=True, lora_paths=None, disable_shared_experts_fusion=False,
-                enforce_shared_experts_fusion=False, enable_waterfill=False)
+                enforce_shared_experts_fusion=False, enable_waterfill=False, model_path="dummy")
     return SimpleNamespace(**{**base, **fields})
 
 
 def test_a_lora_server_gets_fusion_off_before_resolution(fix_on, caplog):
     record = raw_record()
     with caplog.at_level(logging.WARNING, "sglang_lora_tma_guard"):
-        assert fusion.before_resolution(record) is None  # a BEFORE hook that keeps SGLang's arguments
+        serving.prepare_launch(record)
     assert record.disable_shared_experts_fusion is True
     [line] = caplog.messages
     assert "shared-experts fusion is turned off" in line
@@ -61,23 +60,25 @@ def test_a_lora_server_gets_fusion_off_before_resolution(fix_on, caplog):
 def test_forced_fusion_is_left_with_a_loud_warning(fix_on, caplog, forced, flag):
     record = raw_record(**{forced: True})
     with caplog.at_level(logging.WARNING, "sglang_lora_tma_guard"):
-        fusion.before_resolution(record)
+        serving.prepare_launch(record)
     assert record.disable_shared_experts_fusion is False
     [line] = caplog.messages
     assert flag in line and "WILL BE WRONG" in line
 
 
-def test_nothing_changes_without_lora_when_resolved_or_when_the_fix_is_off(fix_on, caplog):
+def test_nothing_changes_without_lora_when_resolved_or_when_the_fix_is_off(fix_on, caplog, monkeypatch):
     without_lora = raw_record(enable_lora=None)
     resolved = raw_record(_resolution_finished=True)  # a pickled child copy: final
+    calls = []
+    resolve = serving._make_resolution(lambda record: calls.append(record), Engaged())
     with caplog.at_level(logging.DEBUG, "sglang_lora_tma_guard"):
-        fusion.before_resolution(without_lora)
-        fusion.before_resolution(resolved)
-        fusion._wanted = False
+        serving.prepare_launch(without_lora)
+        resolve(resolved)
+        monkeypatch.setattr(serving._switch, "on", False)
         off = raw_record()
-        fusion.before_resolution(off)
-        fusion.before_check_server_args(off)
+        resolve(off)
     assert not any(r.disable_shared_experts_fusion for r in (without_lora, resolved, off))
+    assert calls == [resolved, off]  # SGLang's own resolution always runs
     assert caplog.messages == []
 
 
@@ -93,15 +94,15 @@ class Audited(SimpleNamespace):
 def test_a_record_resolved_before_the_plugin_is_changed_through_sglangs_audited_write(fix_on, writer):
     record = Audited(**vars(raw_record(_declarations_materialized=True)), writes=[])
     setattr(record, writer, record.record_write)
-    fusion.before_check_server_args(record)
-    assert record.writes == [(fusion.SOURCE, {"disable_shared_experts_fusion": True})]
+    serving.prepare_launch(record, late=True)
+    assert record.writes == [(serving.SOURCE, {"disable_shared_experts_fusion": True})]
     assert record.disable_shared_experts_fusion is True
 
 
 def test_a_read_only_resolved_record_is_left_for_the_schedulers_check(fix_on, caplog):
     record = raw_record(_resolution_finished=True)  # 0.5.19+: no audited late write exists
     with caplog.at_level(logging.WARNING, "sglang_lora_tma_guard"):
-        fusion.before_check_server_args(record)
+        serving.prepare_launch(record, late=True)
     assert record.disable_shared_experts_fusion is False
     [line] = caplog.messages
     assert "will refuse to start" in line and "--disable-shared-experts-fusion" in line
@@ -145,65 +146,41 @@ def test_without_the_guard_sglang_fuses_for_lora_servers_too():
 # --- the scheduler's check, on SGLang's own LoRAManager.init_lora_modules ---------------------------
 
 
-def moe_layer(fused_shared: int):
-    """A FusedMoE of SGLang's class (so its LoRA manager wraps it), without its GPU set-up."""
-    import torch
-    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
-
-    layer = FusedMoE.__new__(FusedMoE)
-    torch.nn.Module.__init__(layer)
-    layer.num_experts, layer.num_fused_shared_experts = 16 + fused_shared, fused_shared
-    return layer
-
-
-def lora_manager(fused_shared: int):
-    """SGLang's LoRAManager as far as ``init_lora_modules`` reads it, over a 2-layer MoE model."""
-    import torch
-    from sglang.srt.lora.lora_manager import LoRAManager
-
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.layers = torch.nn.ModuleList()
-    for _ in range(2):
-        block = torch.nn.Module()
-        block.mlp = torch.nn.Module()
-        block.mlp.experts = moe_layer(fused_shared)
-        model.model.layers.append(block)
-    manager = LoRAManager.__new__(LoRAManager)
-    manager.base_model, manager.base_hf_config = model, SimpleNamespace(num_hidden_layers=2)
-    manager.target_modules = {"gate_up_proj", "down_proj"}
-    manager.experts_shared_outer_loras = manager.lora_use_virtual_experts = False
-    # SGLang's FusedMoEWithLoRA builds its MoE runner on a GPU; the wrapper keeps what the check reads.
-    manager.set_lora_module = lambda name, module: SimpleNamespace(base_layer=module)
-    return manager
-
-
 @pytest.fixture
-def fusion_check(fm):
-    fusion.activate()
-    yield
-    fusion.deactivate()
+def scheduler_check(fm):
+    from harness import sglang_cpu
+
+    sglang_cpu.scheduler()
+    serving.arm()
+    yield sglang_cpu
+    serving.disarm()
+
+
+def manager_over(sglang_cpu, fused_shared: int):
+    """Two of SGLang's FusedMoE layers (16 routed experts, and ``fused_shared`` fused shared ones)."""
+    return sglang_cpu.lora_manager([sglang_cpu.moe_layer(16 + fused_shared, topk=2, layer_id=i,
+                                                          num_fused_shared_experts=fused_shared) for i in range(2)])
 
 
 @pytest.mark.real
-def test_a_scheduler_refuses_a_lora_wrapped_moe_layer_with_a_fused_shared_expert(fusion_check):
-    manager = lora_manager(fused_shared=1)
-    with pytest.raises(fusion.FusedSharedExpertWithLoRA, match="--disable-shared-experts-fusion") as refused:
+def test_a_scheduler_refuses_a_lora_wrapped_moe_layer_with_a_fused_shared_expert(scheduler_check):
+    manager = manager_over(scheduler_check, fused_shared=1)
+    with pytest.raises(RefusedDeployment, match="--disable-shared-experts-fusion") as refused:
         manager.init_lora_modules()
     assert "2 LoRA-wrapped MoE layer(s)" in str(refused.value) and "17 experts" in str(refused.value)
-    assert len(manager.lora_modules) == 2  # SGLang's own method ran to the end first
+    assert [type(m).__name__ for m in scheduler_check.wrapped(manager)] == ["FusedMoEWithLoRA"] * 2
 
 
 @pytest.mark.real
-def test_a_scheduler_starts_when_the_shared_expert_is_not_fused_or_the_check_is_off(fusion_check):
-    lora_manager(fused_shared=0).init_lora_modules()
-    fusion.deactivate()
-    lora_manager(fused_shared=1).init_lora_modules()  # the original method, unwrapped
+def test_a_scheduler_starts_when_the_shared_expert_is_not_fused_or_the_check_is_off(scheduler_check):
+    manager_over(scheduler_check, fused_shared=0).init_lora_modules()
+    serving.disarm()
+    manager_over(scheduler_check, fused_shared=1).init_lora_modules()  # the original method, unwrapped
 
 
 @pytest.mark.real
-def test_a_scheduler_with_fusion_forced_by_the_user_warns_instead(fusion_check, monkeypatch, caplog):
-    monkeypatch.setattr(fusion, "_server_args_here", lambda: raw_record(enforce_shared_experts_fusion=True))
+def test_a_scheduler_with_fusion_forced_by_the_user_warns_instead(scheduler_check, monkeypatch, caplog):
+    monkeypatch.setattr(serving, "server_args_here", lambda: raw_record(enforce_shared_experts_fusion=True))
     with caplog.at_level(logging.WARNING, "sglang_lora_tma_guard"):
-        lora_manager(fused_shared=1).init_lora_modules()
+        manager_over(scheduler_check, fused_shared=1).init_lora_modules()
     assert any("WILL BE WRONG" in line for line in caplog.messages)

@@ -108,7 +108,7 @@ def test_register_logs_and_swallows_an_internal_failure(tmp_path):
         """
         def boom():
             raise RuntimeError("boom")
-        guard.activate = boom
+        plugin.serving.activate = boom
         plugin.register()
         result = [l for l in log().splitlines() if l.startswith("ERROR")]
         """,

@@ -1,0 +1,1 @@
+"""One module per defect of the catalogue (:mod:`sglang_lora_tma_guard.catalogue`), each with one ``DEFECT``."""
