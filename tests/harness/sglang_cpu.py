@@ -11,8 +11,10 @@ backend object (the one attribute ``FusedMoEWithLoRA`` writes).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -102,3 +104,130 @@ def lora_manager(layers, target_modules=("gate_up_proj", "down_proj")):
 def wrapped(manager):
     """The modules SGLang's ``init_lora_modules`` put in place of each MoE layer."""
     return [module for modules in manager.lora_modules for module in modules.values()]
+
+
+# --- one forward of a LoRA-wrapped layer, and its float32 reference ------------------------------------
+
+
+@contextlib.contextmanager
+def cpu_kernels():
+    """What SGLang's MoE and LoRA path lack on a CPU: its LoRA Triton ops on the CPU dispatch key, and its
+    CUDA expert alignment (the fused-MoE module's own reference to it too) given a plain-PyTorch one."""
+    import importlib
+
+    from harness import real_lora
+    from sglang_lora_tma_guard.tiny_moe import align_block_size
+
+    real_lora.enable_cpu_lora_ops()
+    fused_moe = importlib.import_module("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe")
+    saved = fused_moe.moe_align_block_size
+    fused_moe.moe_align_block_size = lambda topk_ids, block_m, num_experts, **_: align_block_size(
+        topk_ids, block_m, num_experts)
+    try:
+        with real_lora.cpu_virtual_experts():
+            yield
+    finally:
+        fused_moe.moe_align_block_size = saved
+
+
+def routing(tokens: int, experts: int, topk: int, seed: int = 0):
+    """SGLang's ``StandardTopKOutput`` for random router logits (softmax, top-k, not renormalised)."""
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=gen)
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), topk)
+    return StandardTopKOutput(topk_weights=weights, topk_ids=ids.to(torch.int32), router_logits=logits)
+
+
+@dataclass
+class ExpertAdapter:
+    """One adapter's expert LoRA as peft writes it, per expert: gate/up A ``(r, H)``, B ``(I, r)``, down
+    A ``(r, I)``, B ``(H, r)``; the scaling already folded into B (as SGLang's loader does)."""
+
+    gate_a: torch.Tensor
+    up_a: torch.Tensor
+    gate_b: torch.Tensor
+    up_b: torch.Tensor
+    down_a: torch.Tensor
+    down_b: torch.Tensor
+
+    @classmethod
+    def random(cls, experts: int, hidden: int, intermediate: int, rank: int, seed: int, scale: float = 0.3):
+        gen = torch.Generator().manual_seed(seed)
+
+        def w(*shape):
+            return (torch.randn(experts, *shape, generator=gen) * scale).half()
+
+        return cls(w(rank, hidden), w(rank, hidden), w(intermediate, rank), w(intermediate, rank),
+                   w(rank, intermediate), w(hidden, rank))
+
+
+def lora_info_for(module, adapters, token_adapter):
+    """SGLang's ``LoRAInfo`` for a batch: pool slots of ``adapters`` (rank padded to the largest), their B
+    put in the buffers by the LoRA layer's own slicer (``slice_moe_lora_b_weights``), as its pool does."""
+    from sglang.srt.lora.lora_moe_runners import LoRAInfo
+
+    rank = max(a.gate_a.shape[1] for a in adapters)
+    experts, hidden = adapters[0].gate_a.shape[0], adapters[0].gate_a.shape[2]
+
+    def pad(t, dim):
+        shape = list(t.shape)
+        shape[dim] = rank - shape[dim]
+        return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+    gate_up_a = torch.stack([torch.cat([pad(a.gate_a, 1), pad(a.up_a, 1)], dim=1) for a in adapters])
+    gate_up_b = torch.stack([module.slice_moe_lora_b_weights(
+        torch.cat([pad(a.gate_b, 2), pad(a.up_b, 2)], dim=1), 0, "gate_up_proj_moe") for a in adapters])
+    down_a = torch.stack([pad(a.down_a, 1) for a in adapters])
+    down_b = torch.stack([pad(a.down_b, 2) for a in adapters])
+    token_adapter = torch.tensor(token_adapter, dtype=torch.int32)
+    bounds = [0] + [i for i in range(1, len(token_adapter)) if token_adapter[i] != token_adapter[i - 1]]
+    seg_indptr = torch.tensor(bounds + [len(token_adapter)], dtype=torch.int32)
+    return LoRAInfo(
+        gate_up_lora_a_weights=gate_up_a, gate_up_lora_b_weights=gate_up_b,
+        down_lora_a_weights=down_a, down_lora_b_weights=down_b, seg_indptr=seg_indptr,
+        req_to_lora=token_adapter[seg_indptr[:-1].long()],
+        lora_ranks=torch.tensor([a.gate_a.shape[1] for a in adapters], dtype=torch.int32),
+        adapter_enabled=torch.ones(len(adapters), dtype=torch.int32), token_lora_mapping=token_adapter,
+        max_lora_rank=rank, num_experts=experts, has_active_lora=True, hidden_size=hidden,
+    )
+
+
+def forward(module, hidden_states, topk_output, lora_info):
+    """The LoRA-wrapped layer's own forward for one batch (its dispatcher, runner, hooks and combine)."""
+    with cpu_kernels():
+        return module._forward_with_lora(hidden_states, topk_output, lora_info)
+
+
+def reference(layer, hidden_states, topk_output, adapters, token_adapter):
+    """The layer in float32 PyTorch, from its config and the adapters as written: per route,
+    ``W13 x + [Bg Ag x; Bu Au x]``, the activation, ``W2 a + Bd Ad a``, weighted by the router (on the
+    input instead where the layer says ``apply_router_weight_on_input``)."""
+    config = layer.moe_runner_config
+    w13, w2 = layer.w13_weight.float(), layer.w2_weight.float()
+    x = hidden_states.float()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        a = adapters[token_adapter[t]] if token_adapter[t] >= 0 else None
+        for weight, e in zip(topk_output.topk_weights[t].tolist(), topk_output.topk_ids[t].tolist()):
+            xin = x[t] * weight if config.apply_router_weight_on_input else x[t]
+            gate, up = (w13[e] @ xin).chunk(2)
+            if a is not None:
+                gate = gate + a.gate_b[e].float() @ (a.gate_a[e].float() @ xin)
+                up = up + a.up_b[e].float() @ (a.up_a[e].float() @ xin)
+            if config.gemm1_alpha is not None:
+                limit = config.gemm1_clamp_limit
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                act = gate * torch.sigmoid(config.gemm1_alpha * gate) * (up + 1)
+            else:
+                act = torch.nn.functional.silu(gate) * up
+            y = w2[e] @ act
+            if a is not None:
+                y = y + a.down_b[e].float() @ (a.down_a[e].float() @ act)
+            out[t] += y if config.apply_router_weight_on_input else weight * y
+    return out
+
+
+def relative_error(got, want) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max())
