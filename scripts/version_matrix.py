@@ -7,7 +7,7 @@ Each release is installed with ``--no-deps`` into its own folder under the cache
 first on ``PYTHONPATH`` of a fresh ``python -m sglang_lora_tma_guard.check --selftest --json``,
 which reads its strategy and, where the guard has work to do, runs the real kernels on the CPU
 (Triton's interpreter): hooked + TMA requested, without and with the guard. Then, for every release
-0.5.11-0.5.23, ``scripts/fusion_probe.py`` with the guard on: the shared-expert fix on that release's
+0.5.11-0.5.23, ``scripts/release_probe.py`` with the guard on: the shared-expert fix on that release's
 own ``ServerArgs`` (hook placement, LoRA asked for in each way, records sent to a spawned child), and
 its LoRA MoE seam (the fast hooks built through the release's own ``build_lora_hooks``).
 The rest of the import chain is the one of this environment (requirements/sglang-0.5.16-cpu.txt).
@@ -77,8 +77,8 @@ def probe_release(version: str) -> dict:
 
 
 def probe_fusion(version: str) -> dict:
-    """The shared-expert fix on one release's own ServerArgs, guard on (scripts/fusion_probe.py)."""
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "fusion_probe.py")],
+    """The shared-expert fix on one release's own ServerArgs, guard on (scripts/release_probe.py)."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "release_probe.py")],
                           env=release_env(version, SGLANG_LORA_TMA_GUARD="1", TRITON_INTERPRET="1"),
                           capture_output=True, text=True, timeout=600)
     try:

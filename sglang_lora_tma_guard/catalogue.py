@@ -137,14 +137,26 @@ class Defect:
 
     id: str
     title: str
-    releases: str
-    """The releases that have it, read from their source."""
+    first: str
+    last: str
+    """The first and the last release that have it, by their source (the reviews in the README)."""
     exposed: str
     """Who meets it, in a few words."""
     remedy: Remedy
     does: str
     """What the guard does, one line (the README table, ``check``)."""
     upstream: str | None = None
+
+    @property
+    def releases(self) -> str:
+        return self.first if self.first == self.last else f"{self.first}–{self.last}"
+
+    def in_range(self, version: str) -> bool:
+        """Is ``version`` one of the releases that have it (by number: forks are read from their code)?"""
+        from .inspection import release_tuple
+
+        found = release_tuple(version)
+        return found is not None and release_tuple(self.first) <= found <= release_tuple(self.last)
 
     def present(self) -> Presence:
         raise NotImplementedError

@@ -1,7 +1,11 @@
-"""Am I affected, and am I protected? Both LoRA-on-MoE bugs: the TMA down path, and a fused shared expert.
+"""Am I affected, and am I protected? Every defect of LoRA on MoE in the catalogue, for this SGLang.
 
     python -m sglang_lora_tma_guard.check [--json] [--selftest [--selftest-device cpu|cuda]]
-        [--model-path DIR --tp N [--ep N] [--device-name 'NVIDIA H200']]
+        [--model-path DIR --tp N [--ep N] [--device-name 'NVIDIA H200']] [-- SERVER FLAGS...]
+
+Everything after ``--`` is the server's own command line (``--tp 8 --enable-lora --enable-dp-attention
+--dp 2 ...``), read by the installed SGLang's own argument parser: with it (and ``--model-path``) the
+Defects section says, for that deployment, which defect it meets and what the guard does there.
 
 Reads the installed SGLang's ``_fused_moe_kernel_sequence`` (its signature and code), this
 package's entry point, ``SGLANG_PLUGINS`` and ``SGLANG_LORA_TMA_GUARD``, and tries the wrapper in
@@ -17,11 +21,11 @@ TMA requested, without and with the guard (on a GPU natively, else through Trito
 
 The report is a tree of frozen dataclasses (:class:`Report`), built by :func:`build_report`, judged
 by :func:`verdict`, printed by :func:`render` or, with ``--json``, serialised as it is
-(``schema_version`` 2: 1 plus the shared-expert fields and the strategy the trial installed).
+(``schema_version`` 4: 3 plus the ``defects`` list, one entry per defect of the catalogue).
 
-Exit status: 0 not affected or protected; 1 affected and not protected, or the self-test failed;
-2 cannot tell (SGLang missing or not importable, the self-test could not run, or the answer depends
-on a model: without the guard, LoRA is wrong on models whose shared expert SGLang fuses).
+Exit status: 0 not affected or protected; 1 affected and not protected, the guard would refuse this
+deployment, or the self-test failed; 2 cannot tell (SGLang missing or not importable, the self-test could
+not run, or the answer depends on the model or the flags: give --model-path and the server flags).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import warnings
 from dataclasses import dataclass
 from importlib import metadata
 
-from . import __version__, exposure, guard, lora_path, selftest, serving
+from . import __version__, catalogue, exposure, guard, lora_path, selftest, serving
 from .inspection import (
     FLAG_PARAM,
     HOOKS_PARAM,
@@ -57,7 +61,7 @@ from .inspection import (
 )
 from .settings import ENV_VAR, read_switch
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "lora_tma_guard"
 
@@ -144,6 +148,25 @@ class GuardReport:
 
 
 @dataclass(frozen=True)
+class DefectReport:
+    """One defect of the catalogue, for this SGLang and the deployment given (if any)."""
+
+    id: str
+    title: str
+    releases: str
+    remedy: str
+    does: str
+    present: bool | None
+    evidence: str
+    affects: bool | None
+    """The deployment meets it (None: not known; give --model-path and the server flags)."""
+    state: str
+    """``ok`` (not in this release, or not met), ``fixed``, ``refused`` (the guard stops this
+    deployment: ``refusal`` says what to change), ``exposed`` or ``unknown``."""
+    refusal: str | None = None
+
+
+@dataclass(frozen=True)
 class Verdict:
     status: str
     exit_code: int
@@ -162,6 +185,9 @@ class Report:
     exposure: exposure.Exposure | None = None
     exposure_error: str | None = None
     selftest: selftest.SelfTestResult | None = None
+    defects: tuple[DefectReport, ...] = ()
+    server_flags: tuple[str, ...] | None = None
+    """The server's command line given after ``--`` (None: none given)."""
     verdict: Verdict | None = None
 
     def to_json(self) -> str:
@@ -372,14 +398,74 @@ def verdict(report: Report) -> Verdict:
                        f"even with the guard (strategy {target.strategy.value})")
     if target.strategy is Strategy.ABSENT:
         return Verdict("not-affected", EXIT_OK, target.reason)
-    parts = [_tma_part(report), _fusion_part(report), *_virtual_experts_part(report)]
+    parts = [_tma_part(report), _fusion_part(report), *_virtual_experts_part(report), *_catalogue_parts(report)]
     where = _deployment(report.exposure)
-    for state, status, code in (("exposed", "exposed", EXIT_EXPOSED), ("unknown", "unknown", EXIT_UNKNOWN),
-                                ("fixed", "protected", EXIT_OK), ("ok", "not-affected", EXIT_OK)):
+    for state, status, code in (("exposed", "exposed", EXIT_EXPOSED), ("refused", "refused", EXIT_EXPOSED),
+                                ("unknown", "unknown", EXIT_UNKNOWN), ("fixed", "protected", EXIT_OK),
+                                ("ok", "not-affected", EXIT_OK)):
         if any(s == state for s, _ in parts):
             ordered = [text for s, text in parts if s == state] + [text for s, text in parts if s != state]
             return Verdict(status, code, (f"{where}: " if where else "") + "; ".join(ordered))
-    raise AssertionError(parts)  # every part has one of the four states
+    raise AssertionError(parts)  # every part has one of the five states
+
+
+OWN_PARTS = ("tma-down-path", "fused-shared-expert", "virtual-experts-up-half")
+"""Entries the verdict judges with what only ``check`` knows (TMA buckets, SGLang's fusion rules)."""
+
+
+def _catalogue_parts(report: Report) -> list[tuple[str, str]]:
+    """Every other entry of the catalogue that this SGLang has and this deployment may meet."""
+    parts, covered = [], []
+    for found in report.defects:
+        if found.id in OWN_PARTS or found.state == "ok":
+            continue
+        if found.state == "fixed":
+            covered.append(found.id if found.remedy == catalogue.Remedy.FIX.value else f"{found.id} (refused if met)")
+            continue
+        text = {"refused": f"the guard will not start this server: {found.refusal}",
+                "exposed": f"{found.title} (SGLang {found.releases}); the guard is not on",
+                "unknown": f"{found.title} (SGLang {found.releases}) if this deployment meets it; the guard is not "
+                           "on (give --model-path and the server flags after --)"}[found.state]
+        parts.append((found.state, text))
+    if covered:
+        parts.append(("fixed", "the guard also covers " + ", ".join(covered) + " (see Defects)"))
+    return parts
+
+
+def defects_report(guarded: GuardReport | None, deployment: catalogue.Deployment) -> tuple[DefectReport, ...]:
+    """Every defect of the catalogue, judged for the installed SGLang, this deployment and this switch."""
+    on = guarded is not None and not _missing_for_the_plugin(guarded)
+    found = []
+    for defect, assessed in zip(catalogue.DEFECTS, catalogue.assess(deployment, guarded=on)):
+        if assessed.present is False or assessed.affects is False:
+            state = "ok"
+        elif on:
+            state = "refused" if assessed.refusal else "fixed"
+        else:
+            state = "exposed" if assessed.affects else "unknown"
+        found.append(DefectReport(defect.id, defect.title, defect.releases, defect.remedy.value, defect.does,
+                                  assessed.present, assessed.evidence, assessed.affects, state, assessed.refusal))
+    return tuple(found)
+
+
+def server_arguments(flags: list[str] | None, model_path: str | None):
+    """The server's raw arguments as the installed SGLang's own parser reads ``flags`` (unresolved: no
+    hardware is asked), with SGLang's defaults for what they leave out; a LoRA server where they do not
+    say. None where SGLang cannot be imported."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+
+        add_cli_args = ServerArgs.add_cli_args
+    except Exception:
+        return None
+    flags = list(flags or [])
+    if not any(flag.split("=")[0] in ("--model-path", "--model") for flag in flags):
+        flags += ["--model-path", model_path or "dummy"]
+    if not any(flag.split("=")[0] in ("--enable-lora", "--lora-paths") for flag in flags):
+        flags.append("--enable-lora")
+    parser = argparse.ArgumentParser(prog="server flags", add_help=False)
+    add_cli_args(parser)
+    return parser.parse_args(flags)
 
 
 def _virtual_experts_part(report: Report) -> list[tuple[str, str]]:
@@ -502,7 +588,7 @@ YES_NO = {True: "yes", False: "no", None: "n/a"}
 
 def render(report: Report) -> str:
     sections = [_render_environment(report), _render_target(report), _render_guard(report.guard),
-                _render_exposure(report), _render_selftest(report.selftest)]
+                _render_exposure(report), _render_defects(report), _render_selftest(report.selftest)]
     lines = [f"sglang-lora-tma-guard {report.tool['version']}: check"]
     for section in filter(None, sections):
         lines += ["", *section]
@@ -621,6 +707,29 @@ def _render_exposure(report: Report) -> list[str]:
     ]
 
 
+STATE_WORDS = {"ok": "ok", "fixed": "fixed by the guard", "refused": "REFUSED at start", "exposed": "EXPOSED",
+               "unknown": "exposed if met"}
+
+
+def _render_defects(report: Report) -> list[str]:
+    if not report.defects:
+        return []
+    given = ("the server flags given" if report.server_flags is not None
+             else "a LoRA server with SGLang's defaults (give the server flags after --)")
+    lines = [f"Defects (SGLang {report.environment.sglang}; {given})"]
+    width = max(len(found.id) for found in report.defects)
+    for found in report.defects:
+        here = {True: "in this release", False: "not in this release", None: "cannot tell"}[found.present]
+        met = {True: "met here", False: "not met here", None: "may be met"}[found.affects] if found.present is not False else ""
+        state = STATE_WORDS[found.state]
+        if found.state == "fixed" and found.remedy == catalogue.Remedy.REFUSE.value:
+            state = "refused at start if met"
+        lines.append(f"  {found.id:<{width}}  {found.releases:<13} {here:<19} {met:<12} {state}")
+        if found.state == "refused":
+            lines.append(f"  {'':<{width}}  -> {found.refusal}")
+    return lines
+
+
 def _render_selftest(result: selftest.SelfTestResult | None) -> list[str]:
     if result is None:
         return []
@@ -651,11 +760,24 @@ def main(argv=None) -> int:
                                              "instead of the one here")
     model.add_argument("--no-shared-experts-fusion", action="store_true",
                        help="the server runs with --disable-shared-experts-fusion")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    server_flags = argv[argv.index("--") + 1:] if "--" in argv else None
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     logging.getLogger("sglang").setLevel(logging.ERROR)
     if args.selftest:
         device = selftest.prepare(args.selftest_device)  # before SGLang is imported
     report = build_report()
+    try:
+        server = server_arguments(server_flags, args.model_path)
+    except SystemExit:  # SGLang's parser has printed what it did not understand
+        return EXIT_UNKNOWN
+    if server is not None and server_flags is not None:
+        args.tp, args.ep = server.tp_size, server.ep_size or 1
+        args.no_shared_experts_fusion = args.no_shared_experts_fusion or bool(server.disable_shared_experts_fusion)
+        args.model_path = args.model_path or server.model_path
+    model = _model_config(args.model_path)
+    report = dataclasses.replace(report, server_flags=tuple(server_flags) if server_flags is not None else None,
+                                 defects=defects_report(report.guard, catalogue.Deployment(server, model)))
     if args.model_path:
         report = _with_exposure(report, args)
     if args.selftest:
@@ -663,6 +785,15 @@ def main(argv=None) -> int:
     report = dataclasses.replace(report, verdict=verdict(report))
     print(report.to_json() if args.json else render(report))
     return report.verdict.exit_code
+
+
+def _model_config(model_path: str | None) -> dict | None:
+    if not model_path:
+        return None
+    try:
+        return exposure.load_config(model_path)
+    except exposure.ExposureError:
+        return None  # the exposure section says why
 
 
 def _with_exposure(report: Report, args) -> Report:
@@ -677,7 +808,10 @@ def _with_exposure(report: Report, args) -> Report:
                 guard_disables_fusion=not _missing_for_fusion_fix(report.guard))
     except exposure.ExposureError as exc:
         return dataclasses.replace(report, exposure_error=str(exc))
-    return dataclasses.replace(report, exposure=found)
+    # What only the exposure knows: whether this shape takes the TMA down path at all.
+    defects = tuple(dataclasses.replace(d, affects=found.tma_anywhere, state="ok" if not found.tma_anywhere else d.state)
+                    if d.id == "tma-down-path" and d.present else d for d in report.defects)
+    return dataclasses.replace(report, exposure=found, defects=defects)
 
 
 def _run_selftest(report: Report, device: str) -> selftest.SelfTestResult:

@@ -169,6 +169,8 @@ def tma_buckets(shape: MoEShape, device_name: str | None = None) -> dict:
 
     ensure_server_args()
     block_n, block_k = shape.block_shape or (0, 0)
+    if device_name is None and not lookup.get_device_name():
+        raise ExposureError("no GPU here to read SGLang's tuned configs for: pass --device-name (e.g. 'NVIDIA H200')")
     with _device_name(device_name):
         # The lookup is cached per shape, not per device; ask the uncached function.
         find = getattr(lookup.get_moe_configs, "__wrapped__", lookup.get_moe_configs)

@@ -44,7 +44,7 @@ class TestOnRealSGLang:
     def test_json_report_has_a_schema_version_and_the_verdict(self):
         code, out, _ = run_check("--json", env={"SGLANG_LORA_TMA_GUARD": "on"})
         report = json.loads(out)
-        assert code == 0 and report["schema_version"] == 3
+        assert code == 0 and report["schema_version"] == 4
         assert report["verdict"] == {
             "status": "protected", "exit_code": 0, "message": report["verdict"]["message"]}
         assert report["target"]["strategy"] == "weight_tma"

@@ -35,7 +35,7 @@ def report(strategy="weight_tma", native=False, switch=True, entry=True, admitte
         admitted_by_sglang_plugins=admitted,
         shared_expert_fix=FusionFixTrial("ServerArgs.__post_init__", fix_takes, None if fix_takes else "no hook registry"),
         wrapper_installs=installs, installed_strategy=strategy if installs else None)
-    return Report(schema_version=3, tool={}, environment=ENVIRONMENT, sglang_version_note=None,
+    return Report(schema_version=4, tool={}, environment=ENVIRONMENT, sglang_version_note=None,
                   version_says_affected=None, target=target, guard=guard, exposure=exposure,
                   exposure_error=exposure_error, selftest=selftest)
 

@@ -27,7 +27,7 @@ SWITCH_MESSAGE = (
 class CsgmvSegments(Defect):
     id = "csgmv-segments"
     title = "the csgmv backend's adapter-sorted segments put expert deltas on other requests' tokens"
-    releases = "0.5.11"
+    first, last = "0.5.11", "0.5.11"
     exposed = "LoRA on MoE with the default --lora-backend csgmv, mixed batches (base requests included)"
     remedy = Remedy.FIX
     does = "LoRA servers run --lora-backend triton; a scheduler on csgmv refuses to start"

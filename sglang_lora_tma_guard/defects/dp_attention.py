@@ -19,7 +19,7 @@ LAYERS = "sglang.srt.lora.layers"
 class DpAttention(Defect):
     id = "dp-attention"
     title = "--enable-dp-attention applies one rank's LoRA mapping to every rank's gathered tokens"
-    releases = "0.5.11–0.5.20"
+    first, last = "0.5.11", "0.5.20"
     exposed = "LoRA on MoE with --enable-dp-attention and --dp > 1 (DeepSeek-V3/R1, GLM-5 deployments)"
     remedy = Remedy.REFUSE
     does = "refuses to start; SGLang 0.5.21+ with --lora-backend triton serves it"

@@ -33,7 +33,7 @@ def physical_placement(deployment: Deployment) -> list[str]:
 class EplbPhysicalExperts(Defect):
     id = "eplb-physical-experts"
     title = "EPLB / redundant experts: LoRA buffers keyed by logical expert, kernels see physical ids"
-    releases = "0.5.11–0.5.23"
+    first, last = "0.5.11", "0.5.23"
     exposed = "LoRA on MoE at --ep > 1 with --enable-eplb, --init-expert-location, --ep-num-redundant-experts"
     remedy = Remedy.REFUSE
     does = "refuses to start; drop those flags (plain EP is right)"

@@ -67,7 +67,7 @@ def fusion_forced_by(server_args) -> str | None:
 class FusedSharedExpert(Defect):
     id = "fused-shared-expert"
     title = "LoRA on a fused shared expert reads another adapter's weights"
-    releases = "0.5.11–0.5.23"
+    first, last = "0.5.11", "0.5.23"
     exposed = ("DeepSeek-V3/R1, GLM-5/5.1, GLM-4.5/4.6/4.7, GLM-4.5V, MiniMax-M3, Qwen3-Next: shared expert "
                "fused by default (NVIDIA sm ≥ 80, no EP)")
     remedy = Remedy.FIX

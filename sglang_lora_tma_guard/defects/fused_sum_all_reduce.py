@@ -29,7 +29,7 @@ def _condition(text: str) -> str | None:
 class FusedSumAllReduce(Defect):
     id = "fused-sum-all-reduce"
     title = "--enable-fused-moe-sum-all-reduce drops the down LoRA of every expert"
-    releases = "0.5.11–0.5.23"
+    first, last = "0.5.11", "0.5.23"
     exposed = "LoRA servers started with --enable-fused-moe-sum-all-reduce on a top-k > 2 MoE"
     remedy = Remedy.FIX
     does = "LoRA servers run with it off; a scheduler that still has it refuses to start"

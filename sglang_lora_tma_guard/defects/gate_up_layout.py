@@ -109,7 +109,7 @@ SEQUENCE_PATCH = Patch("gate-up layout (sequence)", TARGET_MODULE, TARGET_NAME, 
 class GateUpLayout(Defect):
     id = "gate-up-layout"
     title = "MiniMax-M3 / Kimi-K3 with LoRA: the activation and the LoRA B read gate/up interleaved"
-    releases = "0.5.16–0.5.23"
+    first, last = "0.5.16", "0.5.23"
     exposed = "MiniMax-M3 (0.5.16+) and Kimi-K3 (0.5.17+) LoRA servers: every request, base included"
     remedy = Remedy.FIX
     does = ("their LoRA runner passes gate_up_interleaved=False, and the adapters' gate-up B keeps "

@@ -30,7 +30,7 @@ SHARED_EXPERT_KEYS = ("n_shared_experts", "shared_expert_intermediate_size", "nu
 class InplaceRace(Defect):
     id = "inplace-race"
     title = "the in-place MoE output races the dual-stream shared expert"
-    releases = "0.5.11–0.5.16"
+    first, last = "0.5.11", "0.5.16"
     exposed = ("DeepSeek-V2/V3/R1, GLM-5/5.1, GLM-4.x MoE with the shared expert not fused (the guard's "
                "fusion fix) and CUDA graphs: long generations")
     remedy = Remedy.FIX

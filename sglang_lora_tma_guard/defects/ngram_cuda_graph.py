@@ -18,7 +18,7 @@ LORA_MANAGER = "sglang.srt.lora.lora_manager"
 class NgramCudaGraph(Defect):
     id = "ngram-cuda-graph"
     title = "NGRAM speculative decoding: MoE LoRA graph buffers sized in requests, verify runs draft tokens"
-    releases = "0.5.11–0.5.18"
+    first, last = "0.5.11", "0.5.18"
     exposed = "LoRA on MoE with --speculative-algorithm NGRAM and CUDA graphs on"
     remedy = Remedy.REFUSE
     does = "refuses to start; --disable-cuda-graph, no NGRAM, or SGLang 0.5.19+"

@@ -20,7 +20,7 @@ ARCHITECTURES = ("Llama4ForConditionalGeneration", "Llama4ForCausalLM")
 class RouterWeightOnInput(Defect):
     id = "router-weight-on-input"
     title = "expert LoRA on a router-weight-on-input MoE (Llama-4) is scaled in the wrong projection"
-    releases = "0.5.11–0.5.23"
+    first, last = "0.5.11", "0.5.23"
     exposed = "Llama-4 (Scout, Maverick) with adapters on the experts"
     remedy = Remedy.REFUSE
     does = "a scheduler with such a LoRA-wrapped MoE layer refuses to start"
@@ -38,7 +38,7 @@ class RouterWeightOnInput(Defect):
             return False
         if deployment.model is None:
             return None
-        return architecture(deployment.model) in ARCHITECTURES or None
+        return architecture(deployment.model) in ARCHITECTURES
 
     def refusal(self, deployment: Deployment) -> str | None:
         return None  # whether adapters target the experts is known in the scheduler only

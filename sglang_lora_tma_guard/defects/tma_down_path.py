@@ -15,7 +15,7 @@ from ..inspection import HOOKS_PARAM, TARGET_MODULE, TARGET_NAME, native_guard_i
 class TmaDownPath(Defect):
     id = "tma-down-path"
     title = "LoRA hooks on the TMA down path touch the wrong rows"
-    releases = "0.5.11–0.5.16"
+    first, last = "0.5.11", "0.5.16"
     exposed = "block-fp8 MoE shapes whose tuned down config says USE_TMA (Hopper: GLM-5.1/DeepSeek-V3 at TP8…)"
     remedy = Remedy.FIX
     does = ("hooked calls keep route-major buffers with TMA for the weights (=plain: TMA off, as 0.5.17); "

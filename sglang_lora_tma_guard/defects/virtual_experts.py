@@ -14,7 +14,7 @@ from ..catalogue import Defect, Deployment, Presence, Remedy, read, unreadable
 class VirtualExperts(Defect):
     id = "virtual-experts-up-half"
     title = "--lora-use-virtual-experts computes the up half of the gate-up delta from the gate half's A"
-    releases = "0.5.11–0.5.22"
+    first, last = "0.5.11", "0.5.22"
     exposed = "servers started with --lora-use-virtual-experts on a gated (SwiGLU) MoE"
     remedy = Remedy.FIX
     does = "such batches get this package's hooks (each half its own A); =fast: every covered batch"

@@ -30,8 +30,19 @@ def enable_cpu_lora_ops() -> None:
     global _cpu_library
     if _cpu_library is not None:
         return
-    from sglang.kernels.ops.moe import fused_moe_lora_kernel as kernels
+    import importlib
 
+    # The module that registers them moved: 0.5.22+, 0.5.16-0.5.21, up to 0.5.15.
+    for package in ("sglang.kernels.ops.lora.moe", "sglang.kernels.ops.moe", "sglang.srt.lora.triton_ops"):
+        module = f"{package}.fused_moe_lora_kernel"
+        try:
+            kernels = importlib.import_module(module)
+            break
+        except ModuleNotFoundError as missing:
+            if not module.startswith(missing.name or "?"):  # there, but it does not import
+                raise
+    else:
+        raise ModuleNotFoundError("this SGLang has no fused_moe_lora_kernel module")
     library = torch.library.Library("sglang", "IMPL")
     for name, function in (("fused_moe_lora", kernels._fused_moe_lora),
                            ("fused_moe_lora_shrink", kernels._fused_moe_lora_shrink),

@@ -12,6 +12,8 @@ backend object (the one attribute ``FusedMoEWithLoRA`` writes).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import os
 import socket
 from dataclasses import dataclass
@@ -34,7 +36,10 @@ def scheduler(**fields):
         _init_distributed()
         from sglang.srt.layers.moe import initialize_moe_config
 
-        initialize_moe_config(args)
+        if inspect.signature(initialize_moe_config).parameters:  # from 0.5.19 it reads what was published
+            initialize_moe_config(args)
+        else:
+            initialize_moe_config()
         _published = args
     for name, value in fields.items():
         object.__setattr__(_published, name, value)
@@ -42,9 +47,15 @@ def scheduler(**fields):
 
 
 def _publish(args) -> None:
-    from sglang.srt import runtime_context
+    """Where a scheduler publishes its arguments: the runtime context (0.5.16+), or a module global."""
+    try:
+        from sglang.srt import runtime_context
 
-    runtime_context._CONTEXT.set_server_args(args)
+        runtime_context._CONTEXT.set_server_args(args)
+    except (ImportError, AttributeError):
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+        set_global_server_args_for_scheduler(args)
 
 
 def _init_distributed() -> None:
@@ -56,7 +67,10 @@ def _init_distributed() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                  distributed_init_method=f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(1, 1)
+    if "tensor_model_parallel_size" in inspect.signature(initialize_model_parallel).parameters:
+        initialize_model_parallel(1, 1)
+    else:  # from 0.5.22 the widths are the published arguments' (all 1 here)
+        initialize_model_parallel()
 
 
 def moe_layer(experts: int = 4, topk: int = 2, hidden: int = 64, intermediate: int = 32, *, layer_id: int = 0,
@@ -184,7 +198,7 @@ def lora_info_for(module, adapters, token_adapter):
     token_adapter = torch.tensor(token_adapter, dtype=torch.int32)
     bounds = [0] + [i for i in range(1, len(token_adapter)) if token_adapter[i] != token_adapter[i - 1]]
     seg_indptr = torch.tensor(bounds + [len(token_adapter)], dtype=torch.int32)
-    return LoRAInfo(
+    fields = dict(
         gate_up_lora_a_weights=gate_up_a, gate_up_lora_b_weights=gate_up_b,
         down_lora_a_weights=down_a, down_lora_b_weights=down_b, seg_indptr=seg_indptr,
         req_to_lora=token_adapter[seg_indptr[:-1].long()],
@@ -192,6 +206,9 @@ def lora_info_for(module, adapters, token_adapter):
         adapter_enabled=torch.ones(len(adapters), dtype=torch.int32), token_lora_mapping=token_adapter,
         max_lora_rank=rank, num_experts=experts, has_active_lora=True, hidden_size=hidden,
     )
+    # Releases add and drop fields (token_lora_mapping from 0.5.13, hidden_size up to 0.5.21).
+    known = {field.name for field in dataclasses.fields(LoRAInfo)}
+    return LoRAInfo(**{name: value for name, value in fields.items() if name in known})
 
 
 def forward(module, hidden_states, topk_output, lora_info):

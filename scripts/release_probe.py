@@ -1,6 +1,11 @@
-"""The shared-expert fix on the installed SGLang's own server arguments, in a fresh interpreter.
+"""The guard on the installed SGLang's own server arguments and LoRA seam, in a fresh interpreter.
 
-    SGLANG_LORA_TMA_GUARD=1 python scripts/fusion_probe.py      (prints one JSON object)
+    SGLANG_LORA_TMA_GUARD=1 python scripts/release_probe.py      (prints one JSON object)
+
+First the catalogue (:func:`catalogue_check`): each defect's presence, read from this release's files,
+and what the launcher does with this release's own ``ServerArgs`` where a defect is decided from the
+server arguments: the fields it sets for a LoRA server, and the deployments it refuses (a local
+``config.json`` of a DeepSeek-V3-class MoE, so the launcher knows the model has experts).
 
 The plugin is loaded by SGLang's ``load_plugins()``; then ``ServerArgs`` records are built and
 resolved as the launcher does (``model_path="dummy"``: no model, no GPU) for each way of asking for
@@ -34,24 +39,25 @@ CASES = {
 }
 
 
-def build(**kwargs):
+def build(model_path="dummy", **kwargs):
     from sglang.srt.server_args import ServerArgs
 
-    record = ServerArgs(model_path="dummy", **kwargs)
+    record = ServerArgs(model_path=model_path, **kwargs)
     if hasattr(record, "resolve_once"):  # 0.5.19+: the launcher resolves explicitly
         record.resolve_once()
     return record
 
 
-def child_reads(records):
-    """What a spawned process receives: SGLang pickles the record into each scheduler."""
+def child_reads(records, fields=None):
+    """What a spawned process receives (SGLang pickles the record into each scheduler): one field each,
+    ``disable_shared_experts_fusion`` unless ``fields`` says which."""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
-        return pool.apply(_flags, (records,))
+        return pool.apply(_fields, (records, fields or ["disable_shared_experts_fusion"] * len(records)))
 
 
-def _flags(records):
-    return [r.disable_shared_experts_fusion for r in records]
+def _fields(records, fields):
+    return [getattr(record, field) for record, field in zip(records, fields)]
 
 
 def main() -> None:
@@ -88,8 +94,58 @@ def main() -> None:
                                     "check_error": early_error},
         "warnings": [line for line in log.getvalue().splitlines() if "sglang-lora-tma-guard" in line],
         "lora_path": lora_path_check(),
+        "catalogue": catalogue_check(),
     }
     print(json.dumps(result))
+
+
+MOE_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 16,
+    "n_shared_experts": 1, "num_experts_per_tok": 4, "hidden_size": 256, "moe_intermediate_size": 64,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000,
+}
+CHANGES = {  # a LoRA server's flag -> the field to read back, as a spawned child receives it
+    "fused_sum_all_reduce": ({"enable_fused_moe_sum_all_reduce": True}, "enable_fused_moe_sum_all_reduce"),
+    "csgmv": ({"lora_backend": "csgmv"}, "lora_backend"),
+}
+REFUSALS = {
+    "dp_attention": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True},
+    "eplb": {"tp_size": 2, "ep_size": 2, "enable_eplb": True},
+    "redundant_experts": {"tp_size": 2, "ep_size": 2, "ep_num_redundant_experts": 2},
+    "ngram": {"speculative_algorithm": "NGRAM"},
+    "plain_lora_server": {},
+}
+
+
+def catalogue_check() -> dict:
+    """Each defect's presence in this release, and the launcher's decisions on its own ServerArgs."""
+    import json as json_module
+    import tempfile
+    from pathlib import Path
+
+    from sglang_lora_tma_guard import catalogue
+
+    presence = {d.id: dataclass_dict(d.present()) for d in catalogue.DEFECTS}
+    records = [build(enable_lora=True, **flags) for flags, _ in CHANGES.values()]
+    received = child_reads(records, [field for _, field in CHANGES.values()])
+    refused = {}
+    with tempfile.TemporaryDirectory() as model:
+        (Path(model) / "config.json").write_text(json_module.dumps(MOE_CONFIG))
+        for name, flags in REFUSALS.items():
+            try:
+                build(model_path=model, enable_lora=True, device="cpu", **flags)
+                refused[name] = None
+            except catalogue.RefusedDeployment as refusal:
+                refused[name] = str(refusal)
+            except Exception:  # SGLang's own checks after the guard's (no GPU here): not refused by us
+                refused[name] = None
+    return {"presence": presence, "changes": dict(zip(CHANGES, received)), "refused": refused}
+
+
+def dataclass_dict(record) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(record)
 
 
 RUNNER_LOOKUP = "from sglang.srt.lora.lora_moe_runners import build_lora_hooks"
