@@ -10,12 +10,13 @@ a batch this small); the tokens each adapter's expert delta goes to are read off
 ``dp_attention_mapping``: with ``--enable-dp-attention`` the MoE runs on every DP rank's gathered tokens
 while the LoRA mapping is the rank's local batch (bug table, static configurations, F1). Rank 1's local
 batch (two tokens of adapter slot 1) is put through the same code with a gathered ``topk_ids`` of five
-tokens (rank 0's three base-model tokens first); its expert delta lands on rank 0's tokens. 0.5.21+ has
-the upstream fix (a TP-global layout for the MoE), so the local-layout mechanism shown is the same on
-every release; ``fixed_upstream`` says whether the MoE layer reads the TP-global layout.
+tokens (rank 0's three base-model tokens first); its expert delta lands on rank 0's tokens. The local
+layout does this on every release; 0.5.21+ fixed it upstream by giving the MoE a TP-global layout
+(``fixed_upstream``: the MoE layer asks for ``TP_GLOBAL``), and there ``tp_global_marked`` is what that
+layout marks, built by SGLang's own ``build_token_lora_batch_info`` from the slots the gather would give.
 
-Pool slots: base model 0 (rank 0, zero weights: marked tokens there get no delta), A 1, B 2; 16
-experts, top-1 routing. Prints one JSON object (the last line of stdout):
+Pool slots: base model 0 (rank 0, zero weights: tokens marked there get no delta), A 1, B 2. Prints one
+JSON object (the last line of stdout):
 
     PYTHONPATH=~/.cache/sglang-lora-tma-guard/sglang-0.5.11:. TRITON_INTERPRET=1 .venv/bin/python scripts/defect_probes.py
 """
@@ -29,7 +30,9 @@ from types import SimpleNamespace
 import torch
 from torch.overrides import TorchFunctionMode
 
-SLOTS = {0: "base", 1: "A", 2: "B", -1: "base"}  # -1: a token with no adapter (0.5.23 marks rank-0 slots so)
+SLOTS = {0: "base", 1: "A", 2: "B", -1: "base"}  # -1: no adapter (0.5.23's token_lora_mapping for a rank-0 slot)
+# 16 experts, top-1: few enough routed tokens that _compute_lora_alignment takes SGLang's Python alignment
+# (its CUDA kernel is not imported on a CPU).
 EXPERTS, RANK, HIDDEN, INTERMEDIATE = 16, 8, 32, 16
 
 
@@ -65,10 +68,8 @@ def _moe_layer(backend_cls, slots: list[int], ranks: list[int]):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     backend = backend_cls(max_loras_per_batch=len(ranks), device=torch.device("cpu"), server_args=_server_args())
-    backend.is_moe_lora = True  # as FusedMoEWithLoRA.__init__ sets it (0.5.13+ then build the MoE routing)
-    batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(slots), lora_ids=slots,
-                            extend_seq_lens=None, extend_seq_lens_cpu=None, extend_num_tokens=None,
-                            global_num_tokens_cpu=None, spec_info=None)  # the ForwardBatch fields read
+    backend.is_moe_lora = True  # as FusedMoEWithLoRA.__init__ does; 0.5.13+ backends then add moe_lora_info
+    batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(slots))  # what a decode reads
     with _NoPinnedMemory():
         backend.prepare_lora_batch(forward_batch=batch, weight_indices=slots, lora_ranks=ranks,
                                    scalings=[2.0 if r else 0.0 for r in ranks], use_cuda_graph=False)
@@ -125,7 +126,8 @@ def _routing(tokens: int) -> torch.Tensor:
 
 
 def csgmv_segments() -> dict:
-    """Per backend: the adapter each request should get, the one the MoE LoRA path applies, right."""
+    """Per backend: the adapter each request should get, the one the MoE LoRA path applies (default path and
+    virtual-experts path), and whether both are right."""
     from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend
     from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
 

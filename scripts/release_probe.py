@@ -123,9 +123,9 @@ def catalogue_check() -> dict:
     import tempfile
     from pathlib import Path
 
-    from sglang_lora_tma_guard import catalogue
+    from sglang_lora_tma_guard import catalogue, defects
 
-    presence = {d.id: dataclass_dict(d.present()) for d in catalogue.DEFECTS}
+    presence = {d.id: dataclass_dict(d.present()) for d in defects.DEFECTS}
     records = [build(enable_lora=True, **flags) for flags, _ in CHANGES.values()]
     received = child_reads(records, [field for _, field in CHANGES.values()])
     refused = {}

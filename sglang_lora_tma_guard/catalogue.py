@@ -2,12 +2,13 @@
 
 Usage::
 
-    from sglang_lora_tma_guard import catalogue
+    from sglang_lora_tma_guard.catalogue import Deployment
+    from sglang_lora_tma_guard.defects import DEFECTS, assess
 
-    for defect in catalogue.DEFECTS:
+    for defect in DEFECTS:
         found = defect.present()       # read from the installed SGLang's code, not its version
         print(defect.id, found.present, found.evidence, defect.does)
-    catalogue.assess(catalogue.Deployment(args=server_args, model=config))   # one Assessment each
+    assess(Deployment(args=server_args, model=config))   # one Assessment each
 
 Each defect is one module of :mod:`sglang_lora_tma_guard.defects` with one :class:`Defect`: what it
 is (``title``, the ``releases`` that have it by their source, who is ``exposed``), how the guard
@@ -262,36 +263,3 @@ def read(module: str, where: str | None = None) -> str | None:
 def unreadable(module: str, where: str | None = None) -> Presence:
     place = f"{module}.{where}" if where else module
     return Presence(None, f"cannot read {place} (treated as present)")
-
-
-# --- the catalogue -----------------------------------------------------------------------------------
-
-
-def _load() -> tuple[Defect, ...]:
-    from .defects import (
-        csgmv_segments,
-        dp_attention,
-        eplb_physical_experts,
-        fused_shared_expert,
-        fused_sum_all_reduce,
-        gate_up_layout,
-        inplace_race,
-        ngram_cuda_graph,
-        router_weight_on_input,
-        tma_down_path,
-        virtual_experts,
-    )
-
-    return tuple(module.DEFECT for module in (
-        tma_down_path, fused_shared_expert, virtual_experts, inplace_race, gate_up_layout,
-        fused_sum_all_reduce, router_weight_on_input, csgmv_segments, dp_attention,
-        eplb_physical_experts, ngram_cuda_graph))
-
-
-DEFECTS: tuple[Defect, ...] = _load()
-BY_ID = {defect.id: defect for defect in DEFECTS}
-
-
-def assess(deployment: Deployment, guarded: bool = True) -> list[Assessment]:
-    """Every defect judged for the installed SGLang and ``deployment`` (``guarded``: the guard is on)."""
-    return [defect.assess(deployment, guarded) for defect in DEFECTS]

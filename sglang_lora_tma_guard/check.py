@@ -46,7 +46,7 @@ import warnings
 from dataclasses import dataclass
 from importlib import metadata
 
-from . import __version__, catalogue, exposure, guard, lora_path, selftest, serving
+from . import __version__, catalogue, defects, exposure, guard, lora_path, selftest, serving
 from .inspection import (
     FLAG_PARAM,
     HOOKS_PARAM,
@@ -436,7 +436,7 @@ def defects_report(guarded: GuardReport | None, deployment: catalogue.Deployment
     """Every defect of the catalogue, judged for the installed SGLang, this deployment and this switch."""
     on = guarded is not None and not _missing_for_the_plugin(guarded)
     found = []
-    for defect, assessed in zip(catalogue.DEFECTS, catalogue.assess(deployment, guarded=on)):
+    for defect, assessed in zip(defects.DEFECTS, defects.assess(deployment, guarded=on)):
         if assessed.present is False or assessed.affects is False:
             state = "ok"
         elif on:

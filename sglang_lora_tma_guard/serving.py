@@ -26,7 +26,7 @@ import json
 import logging
 from pathlib import Path
 
-from . import catalogue
+from . import defects
 from .catalogue import Deployment, RefusedDeployment
 from .patching import LOCK, Patch
 
@@ -47,7 +47,7 @@ _switch = globals().get("_switch") or _Switch()
 
 
 def active_defects() -> tuple:
-    return catalogue.DEFECTS if _switch.on else ()
+    return defects.DEFECTS if _switch.on else ()
 
 
 # --- the launcher ----------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def disarm() -> None:
 def activate(switch) -> None:
     """Arm both moments and every defect's own patches. Never raises."""
     arm()
-    for defect in catalogue.DEFECTS:
+    for defect in defects.DEFECTS:
         try:
             defect.activate(switch)
         except Exception:
@@ -273,7 +273,7 @@ def activate(switch) -> None:
 
 def deactivate() -> None:
     """Take every patch off again (inert where other code wrapped ours since). Never raises."""
-    for defect in catalogue.DEFECTS:
+    for defect in defects.DEFECTS:
         try:
             defect.deactivate()
         except Exception:

@@ -4,6 +4,9 @@
                                                for the base model, r1, r2 and s1 in that order (so the
                                                adapters take LoRA pool slots 1, 2, 3), then waves of 16
                                                and 32 concurrent requests mixing all four
+    python client.py long PORT OUT.json NAME   long generations: a wave of 32 and one of 48 concurrent
+                                               greedy requests mixing all four, 256 new tokens each
+                                               (what the in-place race of SGLang 0.5.11-0.5.16 corrupts)
     python client.py load PORT OUT.json NAME   decode throughput with LoRA: waves of 1, 16 and 64
                                                concurrent requests (adapters in turn), 128 new tokens
                                                each, one warm-up wave then 3 timed ones (all kept, and
@@ -44,6 +47,16 @@ def run(port: int) -> dict:
                          for (ids, adapter), out in zip(jobs, outputs)]}
 
 
+def long(port: int, new_tokens: int = 256) -> dict:
+    jobs, outputs = [], []
+    for size in (32, 48):
+        wave_jobs = [(prompt(300 + size + k), ADAPTERS[k % len(ADAPTERS)]) for k in range(size)]
+        jobs += wave_jobs
+        outputs += wave(port, wave_jobs, new_tokens)
+    return {"requests": [{"prompt": ids, "adapter": adapter, "output": out}
+                         for (ids, adapter), out in zip(jobs, outputs)]}
+
+
 def load(port: int, new_tokens: int = 128) -> dict:
     result = {}
     for concurrency in (1, 16, 64):
@@ -61,7 +74,7 @@ def load(port: int, new_tokens: int = 128) -> dict:
 
 def main(argv) -> int:
     task, port, out, name = argv[0], int(argv[1]), argv[2], argv[3]
-    result = {"name": name, **(run(port) if task == "run" else load(port))}
+    result = {"name": name, **{"run": run, "long": long, "load": load}[task](port)}
     with open(out, "w") as f:
         json.dump(result, f)
     summary = {k: v for k, v in result.items() if k != "requests"}

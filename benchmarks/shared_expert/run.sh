@@ -5,8 +5,10 @@
 # flags, the guard on and the guard off, one after the other on GPU 0. Each server answers the
 # correctness requests (client.py run) and then the decode-throughput waves (client.py load); then every
 # request is scored against transformers' fp32 model with the adapter merged (reference.py).
-#   bash benchmarks/shared_expert/run.sh glm|deepseek [load]   results under ${OUT:-results}/
+#   bash benchmarks/shared_expert/run.sh glm|deepseek [load|long]   results under ${OUT:-results}/
 # With "load": throughput only, guard on, guard off, guard on again (the drift between servers).
+# With "long": 80 requests of 256 new tokens (client.py long), guard on, and guard off with
+# --disable-shared-experts-fusion (SGLang's dual-stream path with its in-place MoE output, 0.5.11-0.5.16).
 set -u
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 here=benchmarks/shared_expert
@@ -30,8 +32,12 @@ serve() {  # NAME PORT GUARD_VALUE [EXTRA SERVER ARGS...]
   done
   if [ $ok = 1 ]; then
     echo "== $name: up after $((SECONDS - t0)) s"
-    [ "$mode" = load ] || python3 $here/client.py run "$port" "$OUT/run-$name.json" "$name"
-    python3 $here/client.py load "$port" "$OUT/load-$name.json" "$name"
+    case "$mode" in
+      long) python3 $here/client.py long "$port" "$OUT/run-$name.json" "$name" ;;
+      load) python3 $here/client.py load "$port" "$OUT/load-$name.json" "$name" ;;
+      *) python3 $here/client.py run "$port" "$OUT/run-$name.json" "$name"
+         python3 $here/client.py load "$port" "$OUT/load-$name.json" "$name" ;;
+    esac
   else
     echo "== $name: server did not come up"; tail -20 "$log"
   fi
@@ -47,8 +53,13 @@ if [ "$mode" = load ]; then
   for f in "$OUT"/load-$arch-*.json; do echo "$(basename "$f"): $(cat "$f")"; done
   exit 0
 fi
-serve guard 31001 1
-serve noguard 31002 0
+if [ "$mode" = long ]; then
+  serve long-guard 31001 1
+  serve long-noguard-nofusion 31002 0 --disable-shared-experts-fusion
+else
+  serve guard 31001 1
+  serve noguard 31002 0
+fi
 runs=$(ls "$OUT"/run-$arch-*.json 2>/dev/null)
 [ -n "$runs" ] && python3 $here/reference.py "$model" "$lora" $runs --out "$OUT/verdict-$arch.txt"
 for f in "$OUT"/load-$arch-*.json; do [ -f "$f" ] && echo "$(basename "$f"): $(cat "$f")"; done

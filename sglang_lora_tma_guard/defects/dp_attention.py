@@ -22,7 +22,7 @@ class DpAttention(Defect):
     first, last = "0.5.11", "0.5.20"
     exposed = "LoRA on MoE with --enable-dp-attention and --dp > 1 (DeepSeek-V3/R1, GLM-5 deployments)"
     remedy = Remedy.REFUSE
-    does = "refuses to start; SGLang 0.5.21+ with --lora-backend triton serves it"
+    does = "the server refuses to start; SGLang 0.5.21+ with --lora-backend triton serves it"
 
     def present(self) -> Presence:
         text = read(LAYERS)

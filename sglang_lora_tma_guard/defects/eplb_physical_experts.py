@@ -36,7 +36,7 @@ class EplbPhysicalExperts(Defect):
     first, last = "0.5.11", "0.5.23"
     exposed = "LoRA on MoE at --ep > 1 with --enable-eplb, --init-expert-location, --ep-num-redundant-experts"
     remedy = Remedy.REFUSE
-    does = "refuses to start; drop those flags (plain EP is right)"
+    does = "the server refuses to start; expert parallelism without those flags is right"
 
     def present(self) -> Presence:
         text = read(MEM_POOL)

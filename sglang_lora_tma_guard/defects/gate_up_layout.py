@@ -112,8 +112,8 @@ class GateUpLayout(Defect):
     first, last = "0.5.16", "0.5.23"
     exposed = "MiniMax-M3 (0.5.16+) and Kimi-K3 (0.5.17+) LoRA servers: every request, base included"
     remedy = Remedy.FIX
-    does = ("their LoRA runner passes gate_up_interleaved=False, and the adapters' gate-up B keeps "
-            "[gate | up]")
+    does = ("their LoRA runner keeps gate_up_interleaved=False, and their adapters' gate-up B keeps the gate "
+            "rows before the up rows")
 
     def present(self) -> Presence:
         models = [m.rsplit(".", 1)[1] for m in MODELS if "gate_up_interleaved=False" in (read(m) or "")]

@@ -21,7 +21,7 @@ class NgramCudaGraph(Defect):
     first, last = "0.5.11", "0.5.18"
     exposed = "LoRA on MoE with --speculative-algorithm NGRAM and CUDA graphs on"
     remedy = Remedy.REFUSE
-    does = "refuses to start; --disable-cuda-graph, no NGRAM, or SGLang 0.5.19+"
+    does = "the server refuses to start; --disable-cuda-graph, no NGRAM, or SGLang 0.5.19+ serve it"
 
     def present(self) -> Presence:
         text = read(LORA_MANAGER)

@@ -23,7 +23,7 @@ class RouterWeightOnInput(Defect):
     first, last = "0.5.11", "0.5.23"
     exposed = "Llama-4 (Scout, Maverick) with adapters on the experts"
     remedy = Remedy.REFUSE
-    does = "a scheduler with such a LoRA-wrapped MoE layer refuses to start"
+    does = "a scheduler with such a LoRA-wrapped MoE layer refuses to start (serve those adapters without expert targets)"
 
     def present(self) -> Presence:
         text = read(RUNNERS)

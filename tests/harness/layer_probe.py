@@ -3,17 +3,18 @@
 ``python -m harness.layer_probe`` (cwd: the repository, ``PYTHONPATH=<sglang release>:.:tests``,
 ``TRITON_INTERPRET=1``) builds each case with :mod:`harness.sglang_cpu` (SGLang's ``FusedMoE``, its
 ``init_lora_modules``, its LoRA forward on a CPU) as ``tests/test_defects.py`` does, once unguarded and
-once after ``serving.arm()``, and prints one object whose last line is the whole answer. Each case
-reports its own failure (``{"error": ...}``), so one that breaks on a release leaves the others to be read.
-The numbers are measurements, not verdicts: what a release should show is the catalogue's business.
+once after ``serving.arm()``, and prints the report as one JSON object, the last line of its output. Each
+case reports its own failure (``{"error": ...}``), so one that breaks on a release leaves the others to be
+read; a refusal by the guard is an answer, not a failure. The numbers are measurements, not verdicts: what
+a release should show is the catalogue's business, and ``guard_reads`` says what the guard found in it.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import os
-import sys
 import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
@@ -61,8 +62,9 @@ def inplace(cpu, guarded: bool) -> dict:
     x, given, out, ref = _run(cpu, layer, module)
     # The base layer's config is the one the wrapper's LoRA runner was given in every release (the
     # wrapper has no moe_runner_config of its own before 0.5.13).
-    return {"inplace": module.base_layer.moe_runner_config.inplace, "output_aliases_input": out.data_ptr() == given.data_ptr(),
-            "input_changed": not torch.equal(given, x), "rel_error": round(cpu.relative_error(out, ref), 4)}
+    return {"inplace": module.base_layer.moe_runner_config.inplace,
+            "output_aliases_input": out.data_ptr() == given.data_ptr(), "input_changed": not torch.equal(given, x),
+            "rel_error": round(cpu.relative_error(out, ref), 4)}
 
 
 def gate_up_layout(cpu, guarded: bool) -> dict:
@@ -80,30 +82,29 @@ def gate_up_layout(cpu, guarded: bool) -> dict:
 
 
 def router_weight_on_input(cpu, guarded: bool) -> dict:
+    options = dict(topk=1, apply_router_weight_on_input=True)
+    layer, module = _wrap(cpu, guarded, **options)  # guarded, the guard should refuse right here
+    if guarded:
+        return {"refused": False}
+    _, _, out, ref = _run(cpu, layer, module, topk=1)
+    return _rows(cpu, out, ref)
+
+
+CASES = {"inplace": inplace, "gate_up_layout": gate_up_layout, "router_weight_on_input": router_weight_on_input}
+DEFECTS = {"inplace": "inplace_race", "gate_up_layout": "gate_up_layout", "router_weight_on_input": "router_weight_on_input"}
+"""The guard's defect module of each case: what it reads in this release's code is reported with the case."""
+
+
+def _safely(case, cpu, guarded: bool) -> dict:
+    """A refusal is an answer (with every reason the guard gave); any other exception is the case's error."""
     from sglang_lora_tma_guard.catalogue import RefusedDeployment
 
-    options = dict(topk=1, apply_router_weight_on_input=True)
-    if not guarded:
-        layer, module = _wrap(cpu, False, **options)
-        _, _, out, ref = _run(cpu, layer, module, topk=1)
-        return _rows(cpu, out, ref)
     try:
-        _wrap(cpu, True, **options)
+        return case(cpu, guarded)
     except RefusedDeployment as refused:
         text = str(refused)  # one reason after the head, or a list of them
         reasons = text.split("\n  - ")[1:] or [text.split("wrong: ", 1)[-1]]
         return {"refused": True, "message": text[:120], "reasons": [reason[:100] for reason in reasons]}
-    return {"refused": False}
-
-
-CASES = {"inplace": inplace, "gate_up_layout": gate_up_layout, "router_weight_on_input": router_weight_on_input}
-DEFECTS = {"inplace": "inplace-race", "gate_up_layout": "gate-up-layout", "router_weight_on_input": "router-weight-on-input"}
-"""The catalogue's defect of each case: what the guard reads in this release's code is reported with it."""
-
-
-def _safely(case, cpu, guarded: bool) -> dict:
-    try:
-        return case(cpu, guarded)
     except Exception as exc:
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         return {"error": f"{type(exc).__name__}: {exc}"[:400], "at": f"{frame.filename}:{frame.lineno}"}
@@ -113,7 +114,7 @@ def probe() -> dict:
     import sglang
 
     from harness import sglang_cpu
-    from sglang_lora_tma_guard import catalogue
+    from sglang_lora_tma_guard import serving  # noqa: F401  (loads the catalogue before one defect is imported)
 
     report = {"sglang": getattr(sglang, "__version__", "?"), "from": os.path.dirname(sglang.__file__)}
     try:
@@ -121,7 +122,7 @@ def probe() -> dict:
     except Exception as exc:
         return {**report, "error": f"scheduler: {type(exc).__name__}: {exc}"[:400]}
     for name, case in CASES.items():
-        found = next(d for d in catalogue.DEFECTS if d.id == DEFECTS[name]).present()
+        found = importlib.import_module(f"sglang_lora_tma_guard.defects.{DEFECTS[name]}").DEFECT.present()
         report[name] = {"unguarded": _safely(case, sglang_cpu, False), "guarded": _safely(case, sglang_cpu, True),
                         "guard_reads": [found.present, found.evidence]}
     _guard(False)
@@ -129,9 +130,7 @@ def probe() -> dict:
 
 
 def main() -> None:
-    report = probe()
-    sys.stdout.flush()
-    print(json.dumps(report))
+    print(json.dumps(probe()))
 
 
 if __name__ == "__main__":

@@ -47,15 +47,22 @@ def scheduler(**fields):
 
 
 def _publish(args) -> None:
-    """Where a scheduler publishes its arguments: the runtime context (0.5.16+), or a module global."""
+    """As the release's scheduler process publishes its arguments: ``runtime_context.publish`` with this
+    process's place (rank 0) where it takes one (0.5.21+), ``publish`` (0.5.19, 0.5.20), or the older
+    scheduler's setter (a module global; the runtime context from 0.5.16)."""
     try:
         from sglang.srt import runtime_context
-
-        runtime_context._CONTEXT.set_server_args(args)
-    except (ImportError, AttributeError):
+    except ImportError:
+        runtime_context = None
+    publish = getattr(runtime_context, "publish", None)
+    if publish is None:
         from sglang.srt.server_args import set_global_server_args_for_scheduler
 
         set_global_server_args_for_scheduler(args)
+    elif hasattr(runtime_context, "SpawnRanks"):  # the ranks, read by the MoE layers, come from here
+        publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
+    else:
+        publish(args, role="scheduler")
 
 
 def _init_distributed() -> None:
@@ -69,7 +76,7 @@ def _init_distributed() -> None:
                                  distributed_init_method=f"tcp://127.0.0.1:{port}")
     if "tensor_model_parallel_size" in inspect.signature(initialize_model_parallel).parameters:
         initialize_model_parallel(1, 1)
-    else:  # from 0.5.22 the widths are the published arguments' (all 1 here)
+    else:  # from 0.5.21 the widths are the published arguments' (all 1 here)
         initialize_model_parallel()
 
 
@@ -110,8 +117,9 @@ def lora_manager(layers, target_modules=("gate_up_proj", "down_proj")):
     manager.base_model = model
     manager.base_hf_config = SimpleNamespace(num_hidden_layers=len(layers))
     manager.target_modules = set(target_modules)
-    manager.lora_backend = SimpleNamespace(is_moe_lora=False)
+    manager.lora_backend = SimpleNamespace(is_moe_lora=False, name=scheduler().lora_backend)  # name: 0.5.23
     manager.experts_shared_outer_loras = manager.lora_use_virtual_experts = False
+    manager.max_lora_rank = 8  # 0.5.23 reads it (the physical rank of its lora_* MoE runners only)
     return manager
 
 

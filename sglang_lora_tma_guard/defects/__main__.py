@@ -1,0 +1,3 @@
+from . import markdown_table
+
+print(markdown_table())
