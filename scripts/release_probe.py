@@ -14,6 +14,9 @@ LoRA, and sent to a spawned child process (how SGLang hands them to its schedule
 ``load_plugins()`` (``sglang.Engine(server_args=...)``) goes through what the launcher does with it
 before it starts the schedulers: ``resolve_once()`` (0.5.19+) and ``check_server_args()``.
 
+Then two defects shown on this release's own code (``scripts/defect_probes.py``): the csgmv backend's
+segments on the MoE path, and the DP-attention mapping.
+
 Then the LoRA MoE seam of the same release (:func:`lora_path_check`): SGLang's runner looks up
 ``build_lora_hooks`` when it runs, the guard's wrapper is in its place, the release's virtual-experts
 path is judged from its code, and the fast hooks, built through the release's own ``build_lora_hooks``
@@ -29,6 +32,8 @@ import logging
 import multiprocessing
 import sys
 import warnings
+
+import defect_probes  # scripts/defect_probes.py, beside this file
 
 CASES = {
     "lora_paths": {"lora_paths": ["a=/adapters/a"]},
@@ -95,6 +100,8 @@ def main() -> None:
         "warnings": [line for line in log.getvalue().splitlines() if "sglang-lora-tma-guard" in line],
         "lora_path": lora_path_check(),
         "catalogue": catalogue_check(),
+        "probes": {"csgmv_segments": defect_probes.csgmv_segments(),
+                   "dp_attention_mapping": defect_probes.dp_attention_mapping()},
     }
     print(json.dumps(result))
 

@@ -11,7 +11,11 @@ which reads its strategy and, where the guard has work to do, runs the real kern
 own ``ServerArgs`` (hook placement, LoRA asked for in each way, records sent to a spawned child), and
 its LoRA MoE seam (the fast hooks built through the release's own ``build_lora_hooks``).
 The rest of the import chain is the one of this environment (requirements/sglang-0.5.16-cpu.txt).
-Prints three Markdown tables.
+Then the catalogue: which release has which defect (read from its files), and one table per defect:
+what the guard does with the release's own ``ServerArgs`` (``release_probe.py``), the defect shown on
+its own code (``defect_probes.py``), and SGLang's own MoE layers wrapped by its own LoRA manager, run
+on the CPU against a float32 reference, unguarded and guarded (``tests/harness/layer_probe.py``).
+Prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -160,6 +164,108 @@ def lora_markdown(results: list[dict]) -> str:
                  [lora_row(r) for r in results])
 
 
+# --- the catalogue: one table per defect -------------------------------------------------------------
+
+YES = {True: "yes", False: "no", None: "?"}
+
+
+def presence_markdown(results: list[dict]) -> str:
+    """Which release has which defect, read from its own files (X: present)."""
+    from sglang_lora_tma_guard.defects import DEFECTS
+
+    header = ["sglang"] + [f"`{d.id}`" for d in DEFECTS]
+    rows = []
+    for result in results:
+        found = (result.get("catalogue") or {}).get("presence") or {}
+        rows.append([result["version"]] + [{True: "X", False: "·", None: "?"}.get(found.get(d.id, {}).get("present"), "error")
+                                           for d in DEFECTS])
+    return table(header, rows)
+
+
+def _refused(result: dict, case: str) -> str:
+    return "refused" if result["catalogue"]["refused"][case] else "starts"
+
+
+def _layer(layers: dict, version: str, case: str) -> dict:
+    return (layers.get(version) or {}).get(case) or {"error": "not run"}
+
+
+def _err(value) -> str:
+    return f"{value:.1e}" if isinstance(value, float) else str(value)
+
+
+def entry_cells(defect_id: str, result: dict, layer: dict) -> tuple[list[str], list[str]]:
+    """(header, cells) after "sglang" and "in its code" for one defect on one release."""
+    change, probe = result["catalogue"]["changes"], result.get("probes") or {}
+    if defect_id == "inplace-race":
+        off, on = layer.get("unguarded", layer), layer.get("guarded", layer)
+        return (["unguarded: output written into its input", "guarded: inplace, input untouched, error"],
+                [_err(off.get("aliases", off.get("error"))),
+                 f"{on.get('inplace', on.get('error'))}, {_err(not on.get('input_changed', True))}, "
+                 f"{_err(on.get('rel_error'))}"])
+    if defect_id == "gate-up-layout":
+        off, on = layer.get("unguarded", layer), layer.get("guarded", layer)
+        if "skipped" in layer:
+            return (["unguarded error (adapter / base rows)", "guarded error (adapter / base rows)"], [layer["skipped"], ""])
+        return (["unguarded error (adapter / base rows)", "guarded error (adapter / base rows)"],
+                [f"{_err(off.get('adapter_rel_error', off.get('error')))} / {_err(off.get('base_rel_error'))}",
+                 f"{_err(on.get('adapter_rel_error', on.get('error')))} / {_err(on.get('base_rel_error'))}"])
+    if defect_id == "router-weight-on-input":
+        off, on = layer.get("unguarded", layer), layer.get("guarded", layer)
+        return (["unguarded error (adapter / base rows)", "guarded"],
+                [f"{_err(off.get('adapter_rel_error', off.get('error')))} / {_err(off.get('base_rel_error'))}",
+                 "refused" if on.get("refused") else _err(on.get("error", "started"))])
+    if defect_id == "fused-sum-all-reduce":
+        received = change["fused_sum_all_reduce"]
+        return (["a LoRA server's flag, as a scheduler receives it"], ["off" if received is False else "ON"])
+    if defect_id == "csgmv-segments":
+        segments = probe.get("csgmv_segments") or {}
+        right = {k: YES[v.get("right")] if isinstance(v, dict) else "?" for k, v in segments.items()}
+        return (["--lora-backend csgmv, as a scheduler receives it", "MoE path right: csgmv / triton"],
+                [str(change["csgmv"]), f"{right.get('csgmv', '?')} / {right.get('triton', '?')}"])
+    if defect_id == "dp-attention":
+        mapping = probe.get("dp_attention_mapping") or {}
+        return (["guard: --enable-dp-attention --dp 2", "local layout: rank 1's delta on rank 0's tokens",
+                 "TP-global layout (0.5.21+) marks"],
+                [_refused(result, "dp_attention"), YES.get(mapping.get("wrong")), str(mapping.get("tp_global_marked", "–"))])
+    if defect_id == "eplb-physical-experts":
+        return (["guard: --ep 2 --enable-eplb / --ep-num-redundant-experts 2"],
+                [f"{_refused(result, 'eplb')} / {_refused(result, 'redundant_experts')}"])
+    if defect_id == "ngram-cuda-graph":
+        return (["guard: --speculative-algorithm NGRAM"], [_refused(result, "ngram")])
+    return (["the guard on this release"], ["see the table above"])
+
+
+def catalogue_markdown(results: list[dict], layers: dict) -> str:
+    from sglang_lora_tma_guard.defects import DEFECTS
+
+    parts = [presence_markdown(results)]
+    for defect in DEFECTS:
+        rows, header = [], []
+        for result in results:
+            if "error" in result or "catalogue" not in result:
+                rows.append([result["version"], "error"])
+                continue
+            found = result["catalogue"]["presence"][defect.id]
+            header, cells = entry_cells(defect.id, result, _layer(layers, result["version"], defect.id.replace("-", "_")))
+            rows.append([result["version"], f"{YES[found['present']]}: {found['evidence']}", *cells])
+        parts.append(f"`{defect.id}` ({defect.releases}): {defect.title}\n\n"
+                     + table(["sglang", "in its code"] + header, rows))
+    return "\n\n".join(parts)
+
+
+def probe_layers(version: str) -> dict:
+    """SGLang's own MoE layers on one release, each case unguarded and guarded (tests/harness/layer_probe.py)."""
+    env = release_env(version, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO / "tests")])
+    proc = subprocess.run([sys.executable, "-m", "harness.layer_probe"], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=REPO)
+    try:
+        return json.loads(proc.stdout.splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": (proc.stdout + proc.stderr)[-2000:]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", nargs="+", default=VERSIONS)
@@ -174,8 +280,11 @@ def main(argv=None) -> int:
     print(fusion_markdown(fusion))
     print()
     print(lora_markdown(fusion))
+    layers = probe_all(args.fusion_versions, args.jobs, probe_layers)
+    print()
+    print(catalogue_markdown(fusion, layers))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"tma": reports, "fusion": fusion}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"tma": reports, "fusion": fusion, "layers": layers}, indent=1))
     failed = [r["version"] for r in reports if "error" in r or (r.get("selftest") or {}).get("passed") is False]
     failed += [r["version"] for r in fusion if "error" in r or not r["lora_paths"] or r["no_lora"]
                or not r["lora_path"]["fast_hooks_used"]]
