@@ -68,8 +68,8 @@ def _sequence_takes_the_layout() -> bool:
 
 def not_interleaved_layers(layers: list) -> list:
     return [module for _, _, module in layers
-            if getattr(module.moe_runner_config, "gemm1_alpha", None) is not None
-            and getattr(module.moe_runner_config, PARAM, True) is False]
+            if getattr(module.base_layer.moe_runner_config, "gemm1_alpha", None) is not None
+            and getattr(module.base_layer.moe_runner_config, PARAM, True) is False]
 
 
 def _make_run(original, engaged):

@@ -56,9 +56,11 @@ class InplaceRace(Defect):
     def on_lora_modules(self, layers: list, deployment: Deployment) -> str | None:
         changed = 0
         for _, _, module in layers:
-            for config in {id(c): c for c in (module.moe_runner_config, module.base_layer.moe_runner_config)}.values():
-                if config.inplace:
-                    config.inplace, changed = False, changed + 1
+            # The base layer's config is the one its LoRA runner reads, in every release (0.5.11-0.5.12's
+            # wrapper keeps no reference of its own; later ones share the same object).
+            config = module.base_layer.moe_runner_config
+            if config.inplace:
+                config.inplace, changed = False, changed + 1
         if changed:
             logger.info("sglang-lora-tma-guard: %d LoRA-wrapped MoE layer(s) run out of place (as SGLang 0.5.17 "
                         "does): their output no longer overwrites the hidden states the shared expert reads", changed)

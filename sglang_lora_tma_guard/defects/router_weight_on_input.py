@@ -45,7 +45,7 @@ class RouterWeightOnInput(Defect):
 
     def on_lora_modules(self, layers: list, deployment: Deployment) -> str | None:
         scaled = [layer_id for layer_id, _, module in layers
-                  if getattr(module.moe_runner_config, "apply_router_weight_on_input", False)]
+                  if getattr(module.base_layer.moe_runner_config, "apply_router_weight_on_input", False)]
         if not scaled:
             return None
         return (f"{len(scaled)} LoRA-wrapped MoE layer(s) apply the router weight to their input (Llama-4); "

@@ -1,12 +1,14 @@
 """SGLang's own MoE layers and LoRA manager on a CPU, as one scheduler process builds them.
 
-:func:`scheduler` publishes real ``ServerArgs`` (SGLang's own dataclass, its own defaults) and sets up
+:func:`scheduler` publishes real ``ServerArgs`` (SGLang's own class, its own defaults) and sets up
 SGLang's distributed state over gloo with one rank, as a one-GPU scheduler has it, once per process;
 :func:`moe_layer` is SGLang's ``FusedMoE`` built by its own constructor (unquantized fp16 weights);
 :func:`lora_manager` is SGLang's ``LoRAManager`` as far as ``init_lora_modules`` reads it, over a model
 of such layers, wrapping them with SGLang's own ``FusedMoEWithLoRA`` through its own
 ``set_lora_module``. What is not real: the model around the layers (a ``ModuleList``) and the LoRA
-backend object (the one attribute ``FusedMoEWithLoRA`` writes).
+backend object (the attribute ``FusedMoEWithLoRA`` writes, and the name 0.5.23 reads). Each release
+0.5.11-0.5.23 runs: where they differ, the code asks the release what it has (a signature, a
+dataclass's fields, a module), never its version.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ def scheduler(**fields):
         _init_distributed()
         from sglang.srt.layers.moe import initialize_moe_config
 
-        if inspect.signature(initialize_moe_config).parameters:  # from 0.5.19 it reads what was published
+        if inspect.signature(initialize_moe_config).parameters:
             initialize_moe_config(args)
-        else:
+        else:  # from 0.5.19 it reads what was published
             initialize_moe_config()
         _published = args
     for name, value in fields.items():
-        object.__setattr__(_published, name, value)
+        # Past ServerArgs' own __setattr__, which refuses writes after resolution (0.5.19+). The record is
+        # what the guard reads; the config SGLang projects from it when published (0.5.19+) keeps its values.
+        super(type(_published), _published).__setattr__(name, value)
     return _published
 
 
