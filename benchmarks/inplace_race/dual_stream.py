@@ -70,7 +70,8 @@ def build_block(seed: int, device: str, dtype: torch.dtype):
             if param.dtype.is_floating_point:
                 param.copy_(torch.randn(param.shape, generator=gen, device=device) * (0.5 / param.shape[-1] ** 0.5))
     assert block.num_fused_shared_experts == 0, "shared-experts fusion must be off (as the guard makes it)"
-    block.experts = FusedMoEWithLoRA(block.experts, SimpleNamespace(is_moe_lora=False))
+    # The LoRA backend as far as the wrapper reads it (the batch's LoRA info is given by replay_errors).
+    block.experts = FusedMoEWithLoRA(block.experts, SimpleNamespace(is_moe_lora=False, batch_info=SimpleNamespace()))
     return block, sglang_cpu
 
 

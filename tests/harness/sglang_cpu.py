@@ -28,12 +28,16 @@ _published = None
 
 def scheduler(**fields):
     """SGLang's server arguments for this process (defaults plus ``fields``), published once; its
-    distributed and MoE state for one rank. Later calls change the published fields in place."""
+    distributed and MoE state for one rank. Later calls change the published fields in place (the first
+    call's ``fields`` are resolved and published with the record: only they reach what 0.5.17+ reads from
+    its published config, such as ``disable_shared_experts_fusion``)."""
     global _published
     from sglang.srt.server_args import ServerArgs
 
     if _published is None:
-        args = ServerArgs(model_path="dummy", enable_lora=True, device="cpu")
+        args = ServerArgs(**{"model_path": "dummy", "enable_lora": True, "device": "cpu", **fields})
+        if hasattr(args, "resolve_once"):
+            args.resolve_once()
         _publish(args)
         _init_distributed()
         from sglang.srt.layers.moe import initialize_moe_config
@@ -85,17 +89,19 @@ def _init_distributed() -> None:
 
 
 def moe_layer(experts: int = 4, topk: int = 2, hidden: int = 64, intermediate: int = 32, *, layer_id: int = 0,
-              seed: int = 0, **options):
-    """SGLang's ``FusedMoE``, fp16, random weights (``options``: its own keyword arguments)."""
+              seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float16, **options):
+    """SGLang's ``FusedMoE``, random weights (``options``: its own keyword arguments); fp16 on the CPU
+    (Triton's interpreter computes bf16 GEMMs wrongly), bf16 is for a GPU."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     scheduler()
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)
+    torch.set_default_dtype(dtype)
     try:
-        layer = FusedMoE(num_experts=experts, top_k=topk, hidden_size=hidden, intermediate_size=intermediate,
-                         layer_id=layer_id, quant_config=None, prefix=f"model.layers.{layer_id}.mlp.experts",
-                         **options)
+        with torch.device(device):
+            layer = FusedMoE(num_experts=experts, top_k=topk, hidden_size=hidden, intermediate_size=intermediate,
+                             layer_id=layer_id, quant_config=None, prefix=f"model.layers.{layer_id}.mlp.experts",
+                             **options)
     finally:
         torch.set_default_dtype(default)
     gen = torch.Generator().manual_seed(seed)
