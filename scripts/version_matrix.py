@@ -186,7 +186,12 @@ def _refused(result: dict, case: str) -> str:
     return "refused" if result["catalogue"]["refused"][case] else "starts"
 
 
-def _layer(layers: dict, version: str, case: str) -> dict:
+LAYER_CASES = {"inplace-race": "inplace", "gate-up-layout": "gate_up_layout",
+               "router-weight-on-input": "router_weight_on_input"}
+"""The cases of tests/harness/layer_probe.py, by defect."""
+
+
+def _layer(layers: dict, version: str, case: str | None) -> dict:
     return (layers.get(version) or {}).get(case) or {"error": "not run"}
 
 
@@ -199,10 +204,9 @@ def entry_cells(defect_id: str, result: dict, layer: dict) -> tuple[list[str], l
     change, probe = result["catalogue"]["changes"], result.get("probes") or {}
     if defect_id == "inplace-race":
         off, on = layer.get("unguarded", layer), layer.get("guarded", layer)
-        return (["unguarded: output written into its input", "guarded: inplace, input untouched, error"],
-                [_err(off.get("aliases", off.get("error"))),
-                 f"{on.get('inplace', on.get('error'))}, {_err(not on.get('input_changed', True))}, "
-                 f"{_err(on.get('rel_error'))}"])
+        return (["unguarded: output written into its input, error", "guarded: output written into its input, error"],
+                [f"{YES.get(off.get('aliases'), off.get('error'))}, {_err(off.get('rel_error'))}",
+                 f"{YES.get(on.get('aliases'), on.get('error') or on.get('message'))}, {_err(on.get('rel_error'))}"])
     if defect_id == "gate-up-layout":
         off, on = layer.get("unguarded", layer), layer.get("guarded", layer)
         if "skipped" in layer:
@@ -247,7 +251,7 @@ def catalogue_markdown(results: list[dict], layers: dict) -> str:
                 rows.append([result["version"], "error"])
                 continue
             found = result["catalogue"]["presence"][defect.id]
-            header, cells = entry_cells(defect.id, result, _layer(layers, result["version"], defect.id.replace("-", "_")))
+            header, cells = entry_cells(defect.id, result, _layer(layers, result["version"], LAYER_CASES.get(defect.id)))
             rows.append([result["version"], f"{YES[found['present']]}: {found['evidence']}", *cells])
         parts.append(f"`{defect.id}` ({defect.releases}): {defect.title}\n\n"
                      + table(["sglang", "in its code"] + header, rows))

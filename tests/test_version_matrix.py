@@ -82,3 +82,68 @@ def test_every_release_takes_the_fast_lora_hooks_through_its_own_builder(fusion_
     assert result["token_lora_mapping_given"] == (release_tuple(version) >= (0, 5, 13))
     assert result["fast_hooks_used"] and result["fast_max_rel_error"] < 2e-3
     assert result["restored"]
+
+
+# --- the catalogue, release by release -----------------------------------------------------------------
+
+RIGHT, WRONG = 5e-3, 0.1
+
+
+@pytest.mark.parametrize("version", version_matrix.FUSION_VERSIONS)
+def test_every_defect_is_read_from_each_releases_own_files_as_the_reviews_date_it(fusion_results, version):
+    """Presence comes from the release's code; the releases the reviews give come from their reading:
+    the two agree on every release (a fork or a source build is read from its code alone)."""
+    from sglang_lora_tma_guard.defects import DEFECTS
+
+    presence = fusion_results[version]["catalogue"]["presence"]
+    assert {d.id: presence[d.id]["present"] for d in DEFECTS} == {d.id: d.in_range(version) for d in DEFECTS}
+
+
+@pytest.mark.parametrize("version", version_matrix.FUSION_VERSIONS)
+def test_each_releases_own_server_arguments_get_the_launchers_changes_and_refusals(fusion_results, version):
+    from sglang_lora_tma_guard.defects import BY_ID
+
+    found = fusion_results[version]["catalogue"]
+    assert found["changes"]["fused_sum_all_reduce"] is False  # as a spawned scheduler receives it
+    assert found["changes"]["csgmv"] == ("triton" if BY_ID["csgmv-segments"].in_range(version) else "csgmv")
+    refused = {case: bool(text) for case, text in found["refused"].items()}
+    assert refused == {"dp_attention": BY_ID["dp-attention"].in_range(version), "eplb": True,
+                       "redundant_experts": True, "ngram": BY_ID["ngram-cuda-graph"].in_range(version),
+                       "plain_lora_server": False}
+
+
+@pytest.mark.parametrize("version", version_matrix.FUSION_VERSIONS)
+def test_csgmv_and_dp_attention_shown_on_each_releases_own_code(fusion_results, version):
+    from sglang_lora_tma_guard.defects import BY_ID
+
+    probes = fusion_results[version]["probes"]
+    segments, mapping = probes["csgmv_segments"], probes["dp_attention_mapping"]
+    assert segments["triton"]["right"] is True  # what the guard makes a 0.5.11 LoRA server run
+    assert segments["csgmv"]["right"] is not BY_ID["csgmv-segments"].in_range(version)
+    assert mapping["wrong"] is True  # the local layout, on every release
+    fixed = not BY_ID["dp-attention"].in_range(version)
+    assert mapping["fixed_upstream"] is fixed and (mapping.get("tp_global_marked") == [3, 4]) is fixed
+
+
+@pytest.fixture(scope="module")
+def layers():
+    """SGLang's own MoE layers wrapped by its own LoRA manager, each release, unguarded and guarded."""
+    return version_matrix.probe_all(version_matrix.FUSION_VERSIONS, probe=version_matrix.probe_layers)
+
+
+@pytest.mark.parametrize("version", version_matrix.FUSION_VERSIONS)
+def test_each_releases_own_lora_moe_layer_against_the_reference_unguarded_and_guarded(layers, version):
+    from sglang_lora_tma_guard.defects import BY_ID
+
+    found = layers[version]
+    assert "error" not in found, found.get("error")
+    inplace = found["inplace"]
+    assert inplace["unguarded"]["aliases"] is BY_ID["inplace-race"].in_range(version)
+    assert inplace["guarded"]["aliases"] is False and inplace["guarded"]["rel_error"] < RIGHT
+    layout = found["gate_up_layout"]
+    if BY_ID["gate-up-layout"].in_range(version):
+        assert layout["unguarded"]["adapter_rel_error"] > WRONG and layout["unguarded"]["base_rel_error"] > WRONG
+        assert layout["guarded"]["adapter_rel_error"] < RIGHT and layout["guarded"]["base_rel_error"] < RIGHT
+    router = found["router_weight_on_input"]
+    assert router["unguarded"]["adapter_rel_error"] > WRONG and router["unguarded"]["base_rel_error"] < RIGHT
+    assert router["guarded"]["refused"] and "router weight" in router["guarded"]["reasons"][0]

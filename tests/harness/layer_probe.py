@@ -130,7 +130,9 @@ def probe() -> dict:
 
     report = {"sglang": getattr(sglang, "__version__", "?"), "from": os.path.dirname(sglang.__file__)}
     try:
-        sglang_cpu.scheduler()
+        # The scheduler's arguments as a guarded launcher hands them over: --lora-backend triton (0.5.11's
+        # csgmv default is what the launcher switches; the layer cases are the same on either backend).
+        sglang_cpu.scheduler(lora_backend="triton")
     except Exception as exc:
         return {**report, "error": f"scheduler: {type(exc).__name__}: {exc}"[:400]}
     for name, case in CASES.items():
