@@ -8,7 +8,9 @@ Usage::
     python -m sglang_lora_tma_guard.check
 
 SGLang loads the plugin itself, in every process, through its ``sglang.srt.plugins`` entry point.
-It guards two bugs of SGLang 0.5.11-0.5.23. The TMA down path
+It answers every defect of LoRA on MoE in SGLang 0.5.11-0.5.23 in the catalogue
+(:mod:`~sglang_lora_tma_guard.defects`, switched on by :func:`~sglang_lora_tma_guard.serving.activate`),
+fixing it or refusing the deployment before it serves. Among them, the TMA down path
 (:mod:`~sglang_lora_tma_guard.guard`): a call of ``_fused_moe_kernel_sequence`` carrying LoRA hooks
 runs with route-major buffers and TMA for the weights only (``=plain``: TMA off, SGLang 0.5.17's own
 fix); calls without hooks are left untouched. A fused shared expert
@@ -28,7 +30,7 @@ From Python::
 from .guard import GuardStatus, activate, deactivate, status
 from .inspection import Inspection, Strategy, inspect_target
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "GuardStatus",
