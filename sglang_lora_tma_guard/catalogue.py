@@ -263,3 +263,14 @@ def read(module: str, where: str | None = None) -> str | None:
 def unreadable(module: str, where: str | None = None) -> Presence:
     place = f"{module}.{where}" if where else module
     return Presence(None, f"cannot read {place} (treated as present)")
+
+
+def by_marker(module: str, marker: str, *, fixed: str, present: str, where: str | None = None,
+              marker_is_the_fix: bool = True) -> Presence:
+    """Presence read from one marker in an installed module's source (or in one of its definitions): the
+    upstream fix's own words (``marker_is_the_fix``), or the defective code's."""
+    text = read(module, where)
+    if text is None:
+        return unreadable(module, where)
+    there = (marker in text) is not marker_is_the_fix
+    return Presence(there, present if there else fixed)

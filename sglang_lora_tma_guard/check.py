@@ -148,22 +148,12 @@ class GuardReport:
 
 
 @dataclass(frozen=True)
-class DefectReport:
-    """One defect of the catalogue, for this SGLang and the deployment given (if any)."""
+class DefectReport(catalogue.Assessment):
+    """One defect of the catalogue, judged for this SGLang, the deployment given (if any) and the switch."""
 
-    id: str
-    title: str
-    releases: str
-    remedy: str
-    does: str
-    present: bool | None
-    evidence: str
-    affects: bool | None
-    """The deployment meets it (None: not known; give --model-path and the server flags)."""
-    state: str
+    state: str = "ok"
     """``ok`` (not in this release, or not met), ``fixed``, ``refused`` (the guard stops this
     deployment: ``refusal`` says what to change), ``exposed`` or ``unknown``."""
-    refusal: str | None = None
 
 
 @dataclass(frozen=True)
@@ -420,7 +410,7 @@ def _catalogue_parts(report: Report) -> list[tuple[str, str]]:
         if found.id in OWN_PARTS or found.state == "ok":
             continue
         if found.state == "fixed":
-            covered.append(found.id if found.remedy == catalogue.Remedy.FIX.value else f"{found.id} (refused if met)")
+            covered.append(found.id if found.remedy is catalogue.Remedy.FIX else f"{found.id} (refused if met)")
             continue
         text = {"refused": f"the guard will not start this server: {found.refusal}",
                 "exposed": f"{found.title} (SGLang {found.releases}); the guard is not on",
@@ -436,15 +426,14 @@ def defects_report(guarded: GuardReport | None, deployment: catalogue.Deployment
     """Every defect of the catalogue, judged for the installed SGLang, this deployment and this switch."""
     on = guarded is not None and not _missing_for_the_plugin(guarded)
     found = []
-    for defect, assessed in zip(defects.DEFECTS, defects.assess(deployment, guarded=on)):
+    for assessed in defects.assess(deployment, guarded=on):
         if assessed.present is False or assessed.affects is False:
             state = "ok"
         elif on:
             state = "refused" if assessed.refusal else "fixed"
         else:
             state = "exposed" if assessed.affects else "unknown"
-        found.append(DefectReport(defect.id, defect.title, defect.releases, defect.remedy.value, defect.does,
-                                  assessed.present, assessed.evidence, assessed.affects, state, assessed.refusal))
+        found.append(DefectReport(**dataclasses.asdict(assessed), state=state))
     return tuple(found)
 
 
@@ -722,7 +711,7 @@ def _render_defects(report: Report) -> list[str]:
         here = {True: "in this release", False: "not in this release", None: "cannot tell"}[found.present]
         met = {True: "met here", False: "not met here", None: "may be met"}[found.affects] if found.present is not False else ""
         state = STATE_WORDS[found.state]
-        if found.state == "fixed" and found.remedy == catalogue.Remedy.REFUSE.value:
+        if found.state == "fixed" and found.remedy is catalogue.Remedy.REFUSE:
             state = "refused at start if met"
         lines.append(f"  {found.id:<{width}}  {found.releases:<13} {here:<19} {met:<12} {state}")
         if found.state == "refused":

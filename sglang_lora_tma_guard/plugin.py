@@ -1,12 +1,13 @@
 """Entry point of SGLang's general-plugin group ``sglang.srt.plugins`` (name ``lora_tma_guard``).
 
 SGLang's ``load_plugins()`` calls :func:`register` once in every process it starts: the launcher,
-each scheduler (one per GPU rank) and the offline ``Engine``. It reads the switch and arms both
-fixes: the TMA guard (:mod:`~sglang_lora_tma_guard.guard`; the patch happens when SGLang imports its
-fused-MoE module), the shared-expert fix (:mod:`~sglang_lora_tma_guard.fusion`; its hooks on
-``ServerArgs`` are applied by ``load_plugins()`` right after this returns) and the LoRA MoE hook
-builder (:mod:`~sglang_lora_tma_guard.lora_path`: the fast path with ``=fast``, else SGLang's own
-hooks with its virtual-experts path corrected; placed when SGLang imports its LoRA MoE runners).
+each scheduler (one per GPU rank) and the offline ``Engine``. It reads the switch and arms every
+defect of the catalogue (:func:`~sglang_lora_tma_guard.serving.activate`): the launcher's step on
+the server arguments and each scheduler's step after SGLang wraps its layers for LoRA
+(:mod:`~sglang_lora_tma_guard.serving`), and each defect's own patches, among them the TMA guard
+(:mod:`~sglang_lora_tma_guard.guard`, placed when SGLang imports its fused-MoE module) and the LoRA
+MoE hook builder (:mod:`~sglang_lora_tma_guard.lora_path`: the fast path with ``=fast``, else
+SGLang's own hooks with its virtual-experts path corrected).
 
 A scheduler process runs ``load_plugins()`` before it configures logging (SGLang 0.5.16), so a line
 logged while the guard installs there goes nowhere. Where that process's scheduler module is

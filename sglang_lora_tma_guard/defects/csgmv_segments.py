@@ -12,7 +12,7 @@ What the guard does: on a release whose MoE path reads the backend's segments (r
 
 from __future__ import annotations
 
-from ..catalogue import Change, Defect, Deployment, Presence, Remedy, read, unreadable
+from ..catalogue import Change, Defect, Deployment, Presence, Remedy, by_marker
 
 LAYERS = "sglang.srt.lora.layers"
 WHERE = "FusedMoEWithLoRA._get_lora_info"
@@ -34,12 +34,9 @@ class CsgmvSegments(Defect):
     upstream = "https://github.com/sgl-project/sglang/pull/24007 (in 0.5.12)"
 
     def present(self) -> Presence:
-        text = read(LAYERS, WHERE)
-        if text is None:
-            return unreadable(LAYERS, WHERE)
-        if READS_BACKEND_SEGMENTS in text:
-            return Presence(True, "the MoE path reads the LoRA backend's own segments (csgmv: adapter order)")
-        return Presence(False, "the MoE path gets per-request segments in token order")
+        return by_marker(LAYERS, READS_BACKEND_SEGMENTS, where=WHERE, marker_is_the_fix=False,
+                         present="the MoE path reads the LoRA backend's own segments (csgmv: adapter order)",
+                         fixed="the MoE path gets per-request segments in token order")
 
     def affects(self, deployment: Deployment) -> bool | None:
         if deployment.lora is False or deployment.moe is False:

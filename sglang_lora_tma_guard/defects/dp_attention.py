@@ -11,7 +11,7 @@ What the guard does: refuses to start such a server, naming the flag and the rel
 
 from __future__ import annotations
 
-from ..catalogue import Defect, Deployment, Presence, Remedy, read, unreadable
+from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
 
 LAYERS = "sglang.srt.lora.layers"
 
@@ -25,12 +25,8 @@ class DpAttention(Defect):
     does = "the server refuses to start; SGLang 0.5.21+ with --lora-backend triton serves it"
 
     def present(self) -> Presence:
-        text = read(LAYERS)
-        if text is None:
-            return unreadable(LAYERS)
-        if "TP_GLOBAL" in text:
-            return Presence(False, "the MoE LoRA path reads the DP-gathered batch info (TP_GLOBAL)")
-        return Presence(True, "the MoE LoRA path reads this rank's own batch info")
+        return by_marker(LAYERS, "TP_GLOBAL", fixed="the MoE LoRA path reads the DP-gathered batch info (TP_GLOBAL)",
+                         present="the MoE LoRA path reads this rank's own batch info")
 
     def affects(self, deployment: Deployment) -> bool | None:
         if (deployment.lora is False or deployment.moe is False or not deployment.arg("enable_dp_attention")

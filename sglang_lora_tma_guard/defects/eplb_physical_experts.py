@@ -11,7 +11,7 @@ What the guard does: refuses to start such a server with expert parallelism > 1.
 
 from __future__ import annotations
 
-from ..catalogue import Defect, Deployment, Presence, Remedy, read, unreadable
+from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
 
 MEM_POOL = "sglang.srt.lora.mem_pool"
 
@@ -39,12 +39,8 @@ class EplbPhysicalExperts(Defect):
     does = "the server refuses to start; expert parallelism without those flags is right"
 
     def present(self) -> Presence:
-        text = read(MEM_POOL)
-        if text is None:
-            return unreadable(MEM_POOL)
-        if "physical" in text:
-            return Presence(False, "the LoRA memory pool maps physical expert ids")
-        return Presence(True, "the LoRA memory pool keys expert buffers by logical id")
+        return by_marker(MEM_POOL, "physical", fixed="the LoRA memory pool maps physical expert ids",
+                         present="the LoRA memory pool keys expert buffers by logical id")
 
     def affects(self, deployment: Deployment) -> bool | None:
         if (deployment.lora is False or deployment.moe is False or (deployment.arg("ep_size", 1) or 1) <= 1

@@ -27,10 +27,9 @@ from ..catalogue import (
     Presence,
     Remedy,
     architecture,
+    by_marker,
     model_settings,
-    read,
     routed_experts,
-    unreadable,
 )
 
 logger = logging.getLogger("sglang_lora_tma_guard")
@@ -76,12 +75,9 @@ class FusedSharedExpert(Defect):
     upstream = "https://github.com/sgl-project/sglang/pull/40240 (open)"
 
     def present(self) -> Presence:
-        text = read(LAYERS, "FusedMoEWithLoRA")
-        if text is None:
-            return unreadable(LAYERS, "FusedMoEWithLoRA")
-        if "num_fused_shared_experts" in text:
-            return Presence(False, "FusedMoEWithLoRA handles num_fused_shared_experts")
-        return Presence(True, "FusedMoEWithLoRA ignores num_fused_shared_experts")
+        return by_marker(LAYERS, "num_fused_shared_experts", where="FusedMoEWithLoRA",
+                         fixed="FusedMoEWithLoRA handles num_fused_shared_experts",
+                         present="FusedMoEWithLoRA ignores num_fused_shared_experts")
 
     def affects(self, deployment: Deployment) -> bool | None:
         from ..exposure import fused_shared_experts

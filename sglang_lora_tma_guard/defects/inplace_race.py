@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from ..catalogue import Defect, Deployment, Presence, Remedy, model_settings, read, unreadable
+from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker, model_settings
 
 logger = logging.getLogger("sglang_lora_tma_guard")
 
@@ -38,12 +38,8 @@ class InplaceRace(Defect):
     upstream = "https://github.com/sgl-project/sglang/pull/31870 (in 0.5.17)"
 
     def present(self) -> Presence:
-        text = read(LAYERS, "FusedMoEWithLoRA.__init__")
-        if text is None:
-            return unreadable(LAYERS, "FusedMoEWithLoRA.__init__")
-        if FIX in text:
-            return Presence(False, f"FusedMoEWithLoRA.__init__ sets {FIX}")
-        return Presence(True, "the LoRA MoE runner writes its output into hidden_states")
+        return by_marker(LAYERS, FIX, where="FusedMoEWithLoRA.__init__", fixed=f"FusedMoEWithLoRA.__init__ sets {FIX}",
+                         present="the LoRA MoE runner writes its output into hidden_states")
 
     def affects(self, deployment: Deployment) -> bool | None:
         if deployment.lora is False or deployment.moe is False or deployment.arg("disable_cuda_graph"):

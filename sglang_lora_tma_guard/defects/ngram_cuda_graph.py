@@ -10,7 +10,7 @@ What the guard does: refuses to start such a server, saying what to change.
 
 from __future__ import annotations
 
-from ..catalogue import Defect, Deployment, Presence, Remedy, read, unreadable
+from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
 
 LORA_MANAGER = "sglang.srt.lora.lora_manager"
 
@@ -24,12 +24,9 @@ class NgramCudaGraph(Defect):
     does = "the server refuses to start; --disable-cuda-graph, no NGRAM, or SGLang 0.5.19+ serve it"
 
     def present(self) -> Presence:
-        text = read(LORA_MANAGER)
-        if text is None:
-            return unreadable(LORA_MANAGER)
-        if "speculative_num_draft_tokens" in text:
-            return Presence(False, "the LoRA CUDA-graph buffers are sized by draft tokens")
-        return Presence(True, "the LoRA CUDA-graph buffers are sized in requests")
+        return by_marker(LORA_MANAGER, "speculative_num_draft_tokens",
+                         fixed="the LoRA CUDA-graph buffers are sized by draft tokens",
+                         present="the LoRA CUDA-graph buffers are sized in requests")
 
     def affects(self, deployment: Deployment) -> bool | None:
         if (deployment.lora is False or deployment.moe is False or deployment.arg("disable_cuda_graph")

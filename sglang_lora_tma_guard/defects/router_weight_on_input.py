@@ -11,7 +11,7 @@ and says to serve those adapters without expert targets.
 
 from __future__ import annotations
 
-from ..catalogue import Defect, Deployment, Presence, Remedy, architecture, read, unreadable
+from ..catalogue import Defect, Deployment, Presence, Remedy, architecture, by_marker
 
 RUNNERS = "sglang.srt.lora.lora_moe_runners"
 ARCHITECTURES = ("Llama4ForConditionalGeneration", "Llama4ForCausalLM")
@@ -26,12 +26,9 @@ class RouterWeightOnInput(Defect):
     does = "a scheduler with such a LoRA-wrapped MoE layer refuses to start (serve those adapters without expert targets)"
 
     def present(self) -> Presence:
-        text = read(RUNNERS)
-        if text is None:
-            return unreadable(RUNNERS)
-        if "apply_router_weight_on_input" in text:
-            return Presence(False, "the LoRA MoE hooks read apply_router_weight_on_input")
-        return Presence(True, "the LoRA MoE hooks ignore apply_router_weight_on_input")
+        return by_marker(RUNNERS, "apply_router_weight_on_input",
+                         fixed="the LoRA MoE hooks read apply_router_weight_on_input",
+                         present="the LoRA MoE hooks ignore apply_router_weight_on_input")
 
     def affects(self, deployment: Deployment) -> bool | None:
         if deployment.lora is False or deployment.moe is False:

@@ -8,7 +8,7 @@ from their source) and arms that module in the switch's mode.
 from __future__ import annotations
 
 from .. import lora_path
-from ..catalogue import Defect, Deployment, Presence, Remedy, read, unreadable
+from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
 
 
 class VirtualExperts(Defect):
@@ -20,12 +20,9 @@ class VirtualExperts(Defect):
     does = "such batches get this package's hooks (each half its own A); =fast: every covered batch"
 
     def present(self) -> Presence:
-        text = read(lora_path.MODULE)
-        if text is None:
-            return unreadable(lora_path.MODULE)
-        if "a_output_slices" in text:
-            return Presence(False, "the runners give each half of a gated gate-up its own A (a_output_slices)")
-        return Presence(True, "one shrink over both halves' A, no a_output_slices")
+        return by_marker(lora_path.MODULE, "a_output_slices",
+                         fixed="the runners give each half of a gated gate-up its own A (a_output_slices)",
+                         present="one shrink over both halves' A, no a_output_slices")
 
     def affects(self, deployment: Deployment) -> bool | None:
         if deployment.lora is False or deployment.arg("lora_use_virtual_experts") is False:
