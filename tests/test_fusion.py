@@ -112,7 +112,7 @@ def probe(env_value: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
     if env_value is not None:
         env["SGLANG_LORA_TMA_GUARD"] = env_value
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "fusion_probe.py")], env=env,
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "release_probe.py")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
