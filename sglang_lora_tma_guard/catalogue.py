@@ -174,6 +174,15 @@ class Defect:
         """Why this deployment must not start with LoRA on MoE, and what to change; None: it may."""
         return None
 
+    def before_lora_modules(self, manager, deployment: Deployment) -> None:
+        """Each scheduler, before SGLang wraps its layers for LoRA (the targets are known, nothing wrapped)."""
+
+    def on_adapter(self, manager, adapter, deployment: Deployment) -> str | None:
+        """Each adapter SGLang loads (``--lora-paths`` at start, ``/load_lora_adapter`` later), once its
+        weights are read and normalised, before any slot is filled: fix it in place, or say why it must not
+        be served (the load then fails with that reason; the server keeps serving the others)."""
+        return None
+
     def on_lora_modules(self, layers: list, deployment: Deployment) -> str | None:
         """Each scheduler, once SGLang wrapped its MoE layers for LoRA (``layers``: ``(layer_id, name,
         module)``): fix them, or say why it must not serve. By default: the refusal, if any."""

@@ -1,4 +1,4 @@
-"""The two moments of a server's start that every defect of the catalogue shares.
+"""The moments of a server's life that every defect of the catalogue shares.
 
 - **The launcher resolves the server arguments** (``ServerArgs.__post_init__`` up to 0.5.18,
   ``ServerArgs.resolve_once`` from 0.5.19; from 0.5.20 ``ServerArgs`` is a msgspec struct that
@@ -9,13 +9,18 @@
   is stopped there, before any model is loaded. ``ServerArgs.check_server_args`` (the launcher calls
   it before starting the schedulers) does the same for a record resolved before the plugin loaded
   (``sglang.Engine(server_args=...)``), through SGLang's audited late write where there is one.
-- **Each scheduler has wrapped its layers for LoRA** (after ``LoRAManager.init_lora_modules``, before
-  CUDA graphs are captured): every defect may fix the LoRA-wrapped MoE layers, or say why this
-  scheduler must not serve; then it refuses to start with every reason at once
-  (:class:`~sglang_lora_tma_guard.catalogue.RefusedDeployment`). A launcher without the plugin, or a
-  model the launcher could not read, is caught here.
+- **Each adapter SGLang loads** (``LoRAManager.load_lora_weights``, and ``..._from_tensors``): once its
+  weights are read and normalised, before any pool slot is filled, every defect may fix it in place or
+  say why it must not be served; the load then fails with the reasons, which SGLang turns into the
+  answer to ``/load_lora_adapter`` (the server keeps serving the others) or, for ``--lora-paths``, into
+  a scheduler that does not start.
+- **Each scheduler wraps its layers for LoRA** (``LoRAManager.init_lora_modules``): just before, a
+  defect may change what SGLang will wrap; just after (before CUDA graphs are captured), every defect
+  may fix the LoRA-wrapped MoE layers or say why this scheduler must not serve, and it refuses to
+  start with every reason at once (:class:`~sglang_lora_tma_guard.catalogue.RefusedDeployment`). A
+  launcher without the plugin, or a model the launcher could not read, is caught here.
 
-Each moment is one :class:`~sglang_lora_tma_guard.patching.Patch`; a server without LoRA passes both
+Each moment is a :class:`~sglang_lora_tma_guard.patching.Patch`; a server without LoRA passes them
 untouched.
 """
 
@@ -223,14 +228,24 @@ def _scheduler_step(defect, layers, deployment) -> str | None:
                 f"{exc}); please report this with the output of `python -m sglang_lora_tma_guard.check`")
 
 
+def before_lora_modules(lora_manager) -> None:
+    deployment = Deployment(args=server_args_here())
+    for defect in active_defects():
+        if defect.present().present is not False:
+            defect.before_lora_modules(lora_manager, deployment)
+
+
 def _make_init_lora_modules(original, engaged):
     if original is None:
         return None
 
     @functools.wraps(original)
     def init_lora_modules(self, *args, **kwargs):
+        on = engaged.on and _switch.on
+        if on:
+            before_lora_modules(self)
         result = original(self, *args, **kwargs)
-        if engaged.on and _switch.on:
+        if on:
             after_lora_modules(self)
         return result
 
@@ -240,7 +255,58 @@ def _make_init_lora_modules(original, engaged):
 INIT_LORA_MODULES = Patch("scheduler check (init_lora_modules)", LORA_MANAGER_MODULE,
                           "LoRAManager.init_lora_modules", _make_init_lora_modules)
 
-PATCHES = (POST_INIT, RESOLVE_ONCE, CHECK_SERVER_ARGS, INIT_LORA_MODULES)
+
+# --- each adapter SGLang loads ---------------------------------------------------------------------------
+
+
+def after_adapter_loaded(lora_manager, lora_ref) -> None:
+    """Every defect fixes the adapter SGLang just read, or says why it must not be served: then the load
+    fails with the reasons (SGLang answers ``/load_lora_adapter`` with them; at start-up it stops)."""
+    adapter = getattr(lora_manager, "loras", {}).get(lora_ref.lora_id)
+    if adapter is None:
+        return
+    deployment = Deployment(args=server_args_here())
+    reasons = []
+    for defect in active_defects():
+        if defect.present().present is False:
+            continue
+        try:
+            reason = defect.on_adapter(lora_manager, adapter, deployment)
+        except Exception as exc:
+            logger.exception("sglang-lora-tma-guard: its check of %s failed on adapter %s", defect.id,
+                             lora_ref.lora_name)
+            reason = f"the guard could not check {defect.id} on it ({type(exc).__name__}: {exc})"
+        if reason:
+            reasons.append(reason)
+    if reasons:
+        lora_manager.loras.pop(lora_ref.lora_id, None)
+        getattr(lora_manager, "configs", {}).pop(lora_ref.lora_id, None)
+        head = f"sglang-lora-tma-guard: refusing LoRA adapter {lora_ref.lora_name!r}, which SGLang would serve wrong"
+        raise ValueError(f"{head}: {reasons[0]}" if len(reasons) == 1
+                         else head + ":\n" + "\n".join(f"  - {reason}" for reason in reasons))
+
+
+def _make_load_lora_weights(original, engaged):
+    if original is None:
+        return None
+
+    @functools.wraps(original)
+    def load_lora_weights(self, lora_ref, *args, **kwargs):
+        result = original(self, lora_ref, *args, **kwargs)
+        if engaged.on and _switch.on:
+            after_adapter_loaded(self, lora_ref)
+        return result
+
+    return load_lora_weights
+
+
+LOAD_LORA_WEIGHTS = Patch("adapter check (load_lora_weights)", LORA_MANAGER_MODULE,
+                          "LoRAManager.load_lora_weights", _make_load_lora_weights)
+LOAD_LORA_WEIGHTS_FROM_TENSORS = Patch("adapter check (load_lora_weights_from_tensors)", LORA_MANAGER_MODULE,
+                                       "LoRAManager.load_lora_weights_from_tensors", _make_load_lora_weights)
+
+PATCHES = (POST_INIT, RESOLVE_ONCE, CHECK_SERVER_ARGS, INIT_LORA_MODULES, LOAD_LORA_WEIGHTS,
+           LOAD_LORA_WEIGHTS_FROM_TENSORS)
 
 
 # --- on and off --------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
     python -m sglang_lora_tma_guard.defects      (prints the README's defect table)
 
-The order is the README's: the three defects 0.4.0 guarded, then the rest of the bug table.
+The order is the README's: the three defects 0.4.0 guarded, the rest of the serving path, then the
+adapters SGLang's loader gets wrong.
 """
 
 from __future__ import annotations
@@ -16,15 +17,28 @@ from . import (
     fused_sum_all_reduce,
     gate_up_layout,
     inplace_race,
+    lora_patterns,
+    mixtral_target_names,
     ngram_cuda_graph,
+    one_sided_expert_targets,
+    peft_target_parameters,
     router_weight_on_input,
+    rslora_scaling,
+    shared_outer_runtime,
+    stale_expert_slot,
     tma_down_path,
+    up_proj_only_experts,
     virtual_experts,
 )
 
-DEFECTS: tuple[Defect, ...] = tuple(module.DEFECT for module in (
-    tma_down_path, fused_shared_expert, virtual_experts, inplace_race, gate_up_layout, fused_sum_all_reduce,
-    router_weight_on_input, csgmv_segments, dp_attention, eplb_physical_experts, ngram_cuda_graph))
+SERVING = (tma_down_path, fused_shared_expert, virtual_experts, inplace_race, gate_up_layout, fused_sum_all_reduce,
+           router_weight_on_input, csgmv_segments, dp_attention, eplb_physical_experts, ngram_cuda_graph)
+"""Defects of the serving path: a server's configuration, its model's layers."""
+ADAPTERS = (stale_expert_slot, rslora_scaling, lora_patterns, up_proj_only_experts, peft_target_parameters,
+            one_sided_expert_targets, shared_outer_runtime, mixtral_target_names)
+"""Defects of the adapters SGLang's loader and pool get wrong."""
+
+DEFECTS: tuple[Defect, ...] = tuple(module.DEFECT for module in SERVING + ADAPTERS)
 BY_ID = {defect.id: defect for defect in DEFECTS}
 
 

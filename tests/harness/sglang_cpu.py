@@ -266,3 +266,153 @@ def reference(layer, hidden_states, topk_output, adapters, token_adapter):
 
 def relative_error(got, want) -> float:
     return float((got.float() - want).abs().max() / want.abs().max())
+
+
+# --- SGLang's own LoRA manager, loader and pool over such a model, adapters as peft writes them ----------
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(folder, *, layers: int, experts: int, hidden: int, intermediate: int, rank: int,
+                  projections=EXPERT_PROJECTIONS, alpha: float | None = None, seed: int = 0, names=None,
+                  ranks: dict | None = None, shared_outer: bool = False, **config):
+    """A peft adapter folder (``adapter_config.json`` and ``adapter_model.safetensors``) with LoRA on the
+    experts' ``projections``; ``ranks``: a rank per projection where it differs from ``rank`` (what
+    ``rank_pattern`` describes); ``names``: the projections' names in the file (Mixtral's ``w1``...);
+    ``shared_outer``: one gate/up A and one down B for every expert (packed 3-D tensors). Returns the
+    weights as written (float32), by (layer, expert, projection): (A, B)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    written, tensors = {}, {}
+    for layer in range(layers):
+        for expert in range(experts):
+            for projection in projections:
+                r = (ranks or {}).get(projection, rank)
+                fan_in, fan_out = (intermediate, hidden) if projection == "down_proj" else (hidden, intermediate)
+                a = torch.randn(r, fan_in, generator=gen) * 0.3
+                b = torch.randn(fan_out, r, generator=gen) * 0.3
+                written[layer, expert, projection] = (a, b)
+                name = (names or {}).get(projection, projection)
+                prefix = f"base_model.model.model.layers.{layer}.mlp.experts.{expert}.{name}"
+                tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a.half(), b.half()
+    if shared_outer:
+        tensors, written = _shared_outer(written, layers, experts), _shared_outer_written(written, layers, experts)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    targets = [(names or {}).get(p, p) for p in projections]
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha or 2 * rank,
+        "target_modules": targets, **config}))
+    return written
+
+
+def _shared_outer(written, layers, experts):
+    """The packed shared-outer layout: ``experts.gate_up_proj`` A ``(1, 2r, H)`` and down B ``(1, H, r)``
+    shared, gate-up B ``(E, 2I, r)`` and down A ``(E, r, I)`` per expert."""
+    tensors = {}
+    for layer in range(layers):
+        prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
+        gate_a, _ = written[layer, 0, "gate_proj"]
+        up_a, _ = written[layer, 0, "up_proj"]
+        _, down_b = written[layer, 0, "down_proj"]
+        tensors[f"{prefix}.gate_up_proj.lora_A.weight"] = torch.cat([gate_a, up_a])[None].half()
+        tensors[f"{prefix}.gate_up_proj.lora_B.weight"] = torch.stack(
+            [torch.cat([written[layer, e, "gate_proj"][1], written[layer, e, "up_proj"][1]]) for e in range(experts)]).half()
+        tensors[f"{prefix}.down_proj.lora_A.weight"] = torch.stack(
+            [written[layer, e, "down_proj"][0] for e in range(experts)]).half()
+        tensors[f"{prefix}.down_proj.lora_B.weight"] = down_b[None].half()
+    return tensors
+
+
+def _shared_outer_written(written, layers, experts):
+    """What a shared-outer adapter means per expert: expert 0's gate/up A and down B for every expert."""
+    return {(layer, e, p): ((written[layer, 0, p][0] if p != "down_proj" else written[layer, e, p][0]),
+                            (written[layer, e, p][1] if p != "down_proj" else written[layer, 0, p][1]))
+            for (layer, e, p) in written}
+
+
+def model_config(layers: int, experts: int, hidden: int, intermediate: int, topk: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=intermediate, num_experts=experts,
+                          num_experts_per_tok=topk, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=4 * hidden, vocab_size=128, head_dim=16)
+
+
+def real_manager(adapters: dict, *, layers: int = 2, experts: int = 4, hidden: int = 64, intermediate: int = 32,
+                 topk: int = 2, rank: int = 8, targets=("gate_up_proj", "down_proj"), max_loras: int = 2):
+    """SGLang's own ``LoRAManager``, built by its own constructor over a model of SGLang's ``FusedMoE``
+    layers, with ``adapters`` ({name: folder}) as ``--lora-paths``: its loader, its init_lora_modules, its
+    memory pool. Returns (manager, refs by name, the MoE layers)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.lora.lora_manager import LoRAManager
+    from sglang.srt.lora.lora_registry import LoRARef
+
+    args = scheduler()
+    moe = [moe_layer(experts, topk=topk, hidden=hidden, intermediate=intermediate, layer_id=i, seed=i)
+           for i in range(layers)]
+    model = torch.nn.Module()
+    model.config = model_config(layers, experts, hidden, intermediate, topk)
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList()
+    for layer in moe:
+        block = torch.nn.Module()
+        block.mlp = torch.nn.Module()
+        block.mlp.experts = layer
+        model.model.layers.append(block)
+    refs = {name: LoRARef(lora_name=name, lora_path=str(path), pinned=False) for name, path in adapters.items()}
+    manager = LoRAManager(model, model.config, max_loras_per_batch=max_loras, load_config=LoadConfig(),
+                          dtype=torch.float16, server_args=args, lora_backend="triton", max_lora_rank=rank,
+                          target_modules=list(targets) if targets else None, lora_paths=list(refs.values()) or None)
+    return manager, refs, moe
+
+
+def fill_slot(manager, slot: int, name: str | None, refs):
+    """SGLang's own pool loader puts adapter ``name`` (None: the base model) into pool slot ``slot``."""
+    uid = refs[name].lora_id if name else None
+    adapter = manager.loras[uid] if uid else None
+    manager.memory_pool.load_lora_weight_to_buffer(uid, slot, adapter, manager.lora_modules,
+                                                   getattr(manager, "embed_tokens_module", None),
+                                                   getattr(manager, "lm_head_module", None))
+
+
+def pool_lora_info(manager, layer: int, slot_ranks, token_slots):
+    """SGLang's ``LoRAInfo`` for one layer of a batch, its weights the pool's buffers as filled."""
+    from sglang.srt.lora.lora_moe_runners import LoRAInfo
+
+    pool = manager.memory_pool
+    mapping = torch.tensor(token_slots, dtype=torch.int32)
+    bounds = [0] + [i for i in range(1, len(token_slots)) if token_slots[i] != token_slots[i - 1]]
+    seg = torch.tensor(bounds + [len(token_slots)], dtype=torch.int32)
+    values = dict(
+        gate_up_lora_a_weights=pool.A_buffer["gate_up_proj_moe"][layer],
+        gate_up_lora_b_weights=pool.B_buffer["gate_up_proj_moe"][layer],
+        down_lora_a_weights=pool.A_buffer["down_proj_moe"][layer], down_lora_b_weights=pool.B_buffer["down_proj_moe"][layer],
+        seg_indptr=seg, req_to_lora=mapping[seg[:-1].long()], lora_ranks=torch.tensor(slot_ranks, dtype=torch.int32),
+        adapter_enabled=torch.tensor([int(r > 0) for r in slot_ranks], dtype=torch.int32), token_lora_mapping=mapping,
+        max_lora_rank=pool.A_buffer["down_proj_moe"][layer].shape[2], num_experts=pool.B_buffer["down_proj_moe"][layer].shape[1],
+        has_active_lora=True, hidden_size=pool.B_buffer["down_proj_moe"][layer].shape[2],
+        experts_shared_outer_loras=bool(getattr(manager, "experts_shared_outer_loras", False)))
+    fields = {f.name for f in dataclasses.fields(LoRAInfo)}
+    return LoRAInfo(**{k: v for k, v in values.items() if k in fields})
+
+
+def as_expert_adapter(written, layer: int, experts: int, hidden: int, intermediate: int, scale):
+    """What an adapter means for one layer as peft defines it (``scale``: a number, or one per projection),
+    as an ``ExpertAdapter``; a projection it lacks adds nothing (zeros)."""
+    def pair(projection):
+        fan_in, fan_out = (intermediate, hidden) if projection == "down_proj" else (hidden, intermediate)
+        if (layer, 0, projection) not in written:
+            return torch.zeros(experts, 1, fan_in), torch.zeros(experts, fan_out, 1)
+        factor = scale[projection] if isinstance(scale, dict) else scale
+        return (torch.stack([written[layer, e, projection][0] for e in range(experts)]),
+                torch.stack([written[layer, e, projection][1] for e in range(experts)]) * factor)
+
+    (gate_a, gate_b), (up_a, up_b), (down_a, down_b) = (pair(p) for p in EXPERT_PROJECTIONS)
+    return ExpertAdapter(gate_a, up_a, gate_b, up_b, down_a, down_b)

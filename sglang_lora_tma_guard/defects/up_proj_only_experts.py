@@ -1,0 +1,82 @@
+"""Expert LoRA on ``up_proj`` alone crashes the scheduler at its first batch (every release).
+
+Why: SGLang stacks an expert's ``gate_proj`` and ``up_proj`` LoRA into ``gate_up_proj`` starting from the
+gate (a gate-only adapter gets a zero up half), and keeps an ``up_proj`` without a gate as it is. That
+name matches no buffer of a gated MoE: SGLang accepts the adapter, and the first batch that uses it
+raises in the pool's loader.
+
+What the guard does: gives such an expert a zero gate half before SGLang stacks it, as SGLang does for
+the up half of a gate-only adapter: the up delta is served, the gate delta is zero, as trained.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from ..adapters import EXPERT, layer_weights
+from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
+from ..patching import Patch
+
+logger = logging.getLogger("sglang_lora_tma_guard")
+
+LORA = "sglang.srt.lora.lora"
+
+
+def give_gates(adapter) -> int:
+    """A zero ``gate_proj`` for every expert ``up_proj`` without one (gated MoE only); how many."""
+    non_gated = getattr(adapter, "_is_non_gated_moe_weight", lambda name: False)
+    added = 0
+    for weights in layer_weights(adapter):
+        for name in [n for n in weights if EXPERT.search(n) and ".up_proj." in n]:
+            gate = name.replace(".up_proj.", ".gate_proj.")
+            if gate not in weights and not non_gated(name):
+                weights[gate] = weights[name].new_zeros(weights[name].shape)
+                added += 1
+    return added
+
+
+def _make(original, engaged):
+    if original is None or DEFECT.present().present is False:
+        return None
+
+    @functools.wraps(original)
+    def _normalize_weights(self, *args, **kwargs):
+        if engaged.on:
+            added = give_gates(self)
+            if added:
+                logger.info("sglang-lora-tma-guard: LoRA adapter %s has expert LoRA on up_proj alone: %d zero gate "
+                            "half(s) added so that SGLang stacks it into gate_up_proj", getattr(self, "uid", "?"),
+                            added // 2)
+        return original(self, *args, **kwargs)
+
+    return _normalize_weights
+
+
+PATCH = Patch("up_proj-only expert LoRA", LORA, "LoRAAdapter._normalize_weights", _make)
+
+
+class UpProjOnlyExperts(Defect):
+    id = "up-proj-only-experts"
+    title = "expert LoRA on up_proj alone: accepted, then the scheduler dies at its first batch"
+    first, last = "0.5.11", "0.5.23"
+    exposed = "adapters whose expert targets are up_proj without gate_proj (the whole server goes down)"
+    remedy = Remedy.FIX
+    does = "a zero gate half is added before SGLang stacks gate and up, so the up delta is served"
+
+    def present(self) -> Presence:
+        return by_marker(LORA, 'elif "up_proj" in', where="LoRAAdapter.normalize_gate_up_proj",
+                         fixed="SGLang stacks an up_proj without a gate_proj",
+                         present="SGLang keeps an up_proj without a gate_proj as it is")
+
+    def affects(self, deployment: Deployment) -> bool | None:
+        return False if deployment.lora is False or deployment.moe is False else None
+
+    def activate(self, switch) -> None:
+        PATCH.activate()
+
+    def deactivate(self) -> None:
+        PATCH.deactivate()
+
+
+DEFECT = UpProjOnlyExperts()
