@@ -183,6 +183,10 @@ class Defect:
         be served (the load then fails with that reason; the server keeps serving the others)."""
         return None
 
+    def diagnose(self, adapter) -> str | None:
+        """What SGLang, without the guard, does wrong with this adapter (``check --adapter``); None: nothing."""
+        return None
+
     def on_lora_modules(self, layers: list, deployment: Deployment) -> str | None:
         """Each scheduler, once SGLang wrapped its MoE layers for LoRA (``layers``: ``(layer_id, name,
         module)``): fix them, or say why it must not serve. By default: the refusal, if any."""

@@ -1,7 +1,7 @@
 """Am I affected, and am I protected? Every defect of LoRA on MoE in the catalogue, for this SGLang.
 
     python -m sglang_lora_tma_guard.check [--json] [--selftest [--selftest-device cpu|cuda]]
-        [--model-path DIR --tp N [--ep N] [--device-name 'NVIDIA H200']] [-- SERVER FLAGS...]
+        [--model-path DIR --tp N [--ep N] [--device-name 'NVIDIA H200']] [--adapter DIR] [-- SERVER FLAGS...]
 
 Everything after ``--`` is the server's own command line (``--tp 8 --enable-lora --enable-dp-attention
 --dp 2 ...``), read by the installed SGLang's own argument parser: with it (and ``--model-path``) the
@@ -21,7 +21,8 @@ TMA requested, without and with the guard (on a GPU natively, else through Trito
 
 The report is a tree of frozen dataclasses (:class:`Report`), built by :func:`build_report`, judged
 by :func:`verdict`, printed by :func:`render` or, with ``--json``, serialised as it is
-(``schema_version`` 4: 3 plus the ``defects`` list, one entry per defect of the catalogue).
+(``schema_version`` 4: 3 plus the ``defects`` list, one entry per defect of the catalogue, and the
+``adapter`` of ``--adapter``).
 
 Exit status: 0 not affected or protected; 1 affected and not protected, the guard would refuse this
 deployment, or the self-test failed; 2 cannot tell (SGLang missing or not importable, the self-test could
@@ -46,7 +47,7 @@ import warnings
 from dataclasses import dataclass
 from importlib import metadata
 
-from . import __version__, catalogue, defects, exposure, guard, lora_path, selftest, serving
+from . import __version__, adapter_check, catalogue, defects, exposure, guard, lora_path, selftest, serving
 from .inspection import (
     FLAG_PARAM,
     HOOKS_PARAM,
@@ -176,6 +177,8 @@ class Report:
     exposure_error: str | None = None
     selftest: selftest.SelfTestResult | None = None
     defects: tuple[DefectReport, ...] = ()
+    adapter: adapter_check.AdapterReport | None = None
+    """``--adapter PATH``: what SGLang does with that adapter, and what the guard changes."""
     server_flags: tuple[str, ...] | None = None
     """The server's command line given after ``--`` (None: none given)."""
     verdict: Verdict | None = None
@@ -389,6 +392,8 @@ def verdict(report: Report) -> Verdict:
     if target.strategy is Strategy.ABSENT:
         return Verdict("not-affected", EXIT_OK, target.reason)
     parts = [_tma_part(report), _fusion_part(report), *_virtual_experts_part(report), *_catalogue_parts(report)]
+    if report.adapter is not None:
+        parts += adapter_check.parts(report.adapter, guard_on=not _missing_for_the_plugin(report.guard))
     where = _deployment(report.exposure)
     for state, status, code in (("exposed", "exposed", EXIT_EXPOSED), ("refused", "refused", EXIT_EXPOSED),
                                 ("unknown", "unknown", EXIT_UNKNOWN), ("fixed", "protected", EXIT_OK),
@@ -418,7 +423,8 @@ def _catalogue_parts(report: Report) -> list[tuple[str, str]]:
                            "on (give --model-path and the server flags after --)"}[found.state]
         parts.append((found.state, text))
     if covered:
-        parts.append(("fixed", "the guard also covers " + ", ".join(covered) + " (see Defects)"))
+        parts.append(("fixed", f"the guard also covers {len(covered)} more defect(s) this deployment may meet "
+                               "(see Defects)"))
     return parts
 
 
@@ -577,7 +583,8 @@ YES_NO = {True: "yes", False: "no", None: "n/a"}
 
 def render(report: Report) -> str:
     sections = [_render_environment(report), _render_target(report), _render_guard(report.guard),
-                _render_exposure(report), _render_defects(report), _render_selftest(report.selftest)]
+                _render_exposure(report), _render_defects(report),
+                adapter_check.render(report.adapter) if report.adapter else [], _render_selftest(report.selftest)]
     lines = [f"sglang-lora-tma-guard {report.tool['version']}: check"]
     for section in filter(None, sections):
         lines += ["", *section]
@@ -749,6 +756,8 @@ def main(argv=None) -> int:
                                              "instead of the one here")
     model.add_argument("--no-shared-experts-fusion", action="store_true",
                        help="the server runs with --disable-shared-experts-fusion")
+    parser.add_argument("--adapter", help="a peft adapter folder: what this SGLang does with it, and what the guard "
+                                          "changes (read on the CPU; --model-path gives the model's layer count)")
     argv = list(sys.argv[1:] if argv is None else argv)
     server_flags = argv[argv.index("--") + 1:] if "--" in argv else None
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -767,6 +776,8 @@ def main(argv=None) -> int:
     model = _model_config(args.model_path)
     report = dataclasses.replace(report, server_flags=tuple(server_flags) if server_flags is not None else None,
                                  defects=defects_report(report.guard, catalogue.Deployment(server, model)))
+    if args.adapter:
+        report = dataclasses.replace(report, adapter=adapter_check.inspect_adapter(args.adapter, args.model_path))
     if args.model_path:
         report = _with_exposure(report, args)
     if args.selftest:

@@ -156,3 +156,45 @@ def test_mixtral_target_names_start_the_server_only_with_the_guard(cpu, tmp_path
         return
     manager, refs, moe = cpu.real_manager({"mix": tmp_path / "mix"}, targets=None)
     assert served_error(cpu, manager, refs, moe, "mix", written, 2.0, 8) < RIGHT
+
+
+# --- check --adapter: SGLang's own loader on the CPU, the catalogue's diagnosis -------------------------
+
+
+def check(*args, guard_value=None):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
+    if guard_value:
+        env["SGLANG_LORA_TMA_GUARD"] = guard_value
+    proc = subprocess.run([sys.executable, "-m", "sglang_lora_tma_guard.check", "--json", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_check_adapter_says_what_sglang_does_with_an_rslora_adapter_and_what_the_guard_changes(cpu, tmp_path):
+    cpu.write_adapter(tmp_path / "rs", rank=16, alpha=32, use_rslora=True, **SIZES)
+    code, report = check("--adapter", str(tmp_path / "rs"))
+    found = report["adapter"]
+    assert (found["scaling_sglang"], found["scaling_peft"], found["layout"]) == (2.0, 8.0, "per-expert")
+    assert [f["defect"] for f in found["findings"]] == ["rslora-scaling"]
+    assert code == 1 and "4.00x too weak" in report["verdict"]["message"]
+    code, report = check("--adapter", str(tmp_path / "rs"), guard_value="1")
+    assert code == 0 and report["verdict"]["status"] == "protected"
+
+
+@pytest.mark.slow
+def test_check_adapter_names_each_crash_and_a_clean_adapter_has_none(cpu, tmp_path):
+    cpu.write_adapter(tmp_path / "up", rank=8, projections=("up_proj",), **SIZES)
+    cpu.write_adapter(tmp_path / "clean", rank=8, **SIZES)
+    _, report = check("--adapter", str(tmp_path / "up"), guard_value="1")
+    assert {f["defect"] for f in report["adapter"]["findings"]} == {"up-proj-only-experts", "one-sided-expert-targets"}
+    _, report = check("--adapter", str(tmp_path / "clean"), guard_value="1")
+    assert report["adapter"]["findings"] == [] and report["adapter"]["modules"] == [
+        "down_proj (experts): 8", "gate_up_proj (experts): 8"]
+    code, report = check("--adapter", str(tmp_path / "missing"), guard_value="1")
+    assert code == 2 and "SGLang cannot read it" in report["adapter"]["error"]

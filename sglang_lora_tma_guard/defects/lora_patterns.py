@@ -99,6 +99,14 @@ class LoraPatterns(Defect):
         return (f"its rank_pattern gives {key!r} rank {rank}, above the adapter's r={config['r']}, which SGLang's pool "
                 "slots cannot hold; save the adapter with r at least its largest rank")
 
+    def diagnose(self, adapter) -> str | None:
+        config = peft_config(adapter)
+        said = [what for key, what in (("alpha_pattern", "its alpha_pattern ignored (those modules at the adapter's "
+                                                         "scale)"),
+                                       ("rank_pattern", "its rank_pattern ignored: the first batch that uses it fails "
+                                                        "the pool's shape check (the scheduler dies)")) if config.get(key)]
+        return "; ".join(said) or None
+
     def activate(self, switch) -> None:
         PATCH.activate()
 

@@ -50,4 +50,13 @@ class MixtralTargetNames(Defect):
         return None
 
 
+    def diagnose(self, adapter) -> str | None:
+        targets = adapter.config.target_modules
+        if isinstance(targets, str) or not any(t in RENAMES for t in targets or ()):
+            return None
+        if not any(EXPERT.search(name) for name in names(adapter)):
+            return None
+        return "its target_modules name w1 / w2 / w3: a server started with it does not start (get_hidden_dim)"
+
+
 DEFECT = MixtralTargetNames()

@@ -60,4 +60,15 @@ class OneSidedExpertTargets(Defect):
                        "where an adapter has none)", next(s for s in PAIR if s != missing), missing, missing)
 
 
+    def diagnose(self, adapter) -> str | None:
+        from ..adapters import EXPERT, names
+
+        sides = {"gate_up_proj" if (".gate_proj." in n or ".up_proj." in n or ".gate_up_proj." in n) else "down_proj"
+                 for n in names(adapter) if EXPERT.search(n)}
+        if len(sides) != 1:
+            return None
+        return (f"its expert LoRA is on {sides.pop()} only: served with targets from it alone, SGLang leaves every MoE "
+                "layer unwrapped and applies none of it")
+
+
 DEFECT = OneSidedExpertTargets()

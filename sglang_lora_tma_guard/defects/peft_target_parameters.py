@@ -40,4 +40,8 @@ class PeftTargetParameters(Defect):
                 "down_proj on each expert (peft < 0.18, or a per-expert conversion)")
 
 
+    def diagnose(self, adapter) -> str | None:
+        return self.on_adapter(None, adapter, Deployment())
+
+
 DEFECT = PeftTargetParameters()

@@ -64,6 +64,15 @@ class RsLoraScaling(Defect):
     def affects(self, deployment: Deployment) -> bool | None:
         return False if deployment.lora is False else None  # an adapter's config says (check --adapter)
 
+    def diagnose(self, adapter) -> str | None:
+        from ..adapters import peft_config
+
+        config = peft_config(adapter)
+        if not config.get("use_rslora"):
+            return None
+        sglang, peft = config["lora_alpha"] / config["r"], peft_scaling(config)
+        return f"scaled {sglang:.4g} (lora_alpha / r) instead of peft's {peft:.4g}: {peft / sglang:.2f}x too weak"
+
     def activate(self, switch) -> None:
         PATCH.activate()
 

@@ -66,6 +66,16 @@ class StaleExpertSlot(Defect):
     def affects(self, deployment: Deployment) -> bool | None:
         return False if deployment.lora is False or deployment.moe is False else None
 
+    def diagnose(self, adapter) -> str | None:
+        from ..adapters import EXPERT, names
+
+        expert = [n for n in names(adapter) if EXPERT.search(n) or ".experts." in n]
+        if expert and any("down_proj" in n for n in expert):
+            return None
+        lacks = "expert LoRA" if not expert else "an expert down_proj"
+        return (f"it has no {lacks}: put in a pool slot an expert adapter held before, it is served with that "
+                "adapter's expert LoRA")
+
     def activate(self, switch) -> None:
         PATCH.activate()
 

@@ -72,6 +72,15 @@ class UpProjOnlyExperts(Defect):
     def affects(self, deployment: Deployment) -> bool | None:
         return False if deployment.lora is False or deployment.moe is False else None
 
+    def diagnose(self, adapter) -> str | None:
+        from ..adapters import names
+
+        orphans = [n for n in names(adapter) if EXPERT.search(n) and ".up_proj." in n and "lora_A" in n]
+        if not orphans:
+            return None
+        return (f"{len(orphans)} expert up_proj LoRA without a gate_proj: the first batch that uses it fails in the "
+                "pool's loader (the scheduler dies)")
+
     def activate(self, switch) -> None:
         PATCH.activate()
 
