@@ -7,6 +7,10 @@
     python client.py long PORT OUT.json NAME   long generations: a wave of 32 and one of 48 concurrent
                                                greedy requests mixing all four, 256 new tokens each
                                                (what the in-place race of SGLang 0.5.11-0.5.16 corrupts)
+    python client.py adapters PORT OUT.json NAME [LORA_DIR [up]]   adapters loaded, unloaded and reloaded
+                                               at runtime through the HTTP API (rs, att, and with "up" the
+                                               up_proj-only one; r1 unloaded and loaded again), greedy waves
+                                               of 24 mixing them with r1 and the base model, 64 new tokens
     python client.py load PORT OUT.json NAME   decode throughput with LoRA: waves of 1, 16 and 64
                                                concurrent requests (adapters in turn), 128 new tokens
                                                each, one warm-up wave then 3 timed ones (all kept, and
@@ -57,6 +61,46 @@ def long(port: int, new_tokens: int = 256) -> dict:
                          for (ids, adapter), out in zip(jobs, outputs)]}
 
 
+def post(port: int, path: str, body: dict) -> dict:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        return json.loads(urllib.request.urlopen(request, timeout=300).read() or b"{}")
+    except urllib.error.HTTPError as error:
+        return {"success": False, "status": error.code, "message": error.read().decode()[:500]}
+
+
+def adapters(port: int, lora_dir: str, with_up: bool, new_tokens: int = 64) -> dict:
+    """Runtime loads through SGLang's HTTP API, then waves mixing what loaded; r1 unloaded, loaded again."""
+    events, jobs, outputs = [], [], []
+    names = ["rs", "att"] + (["up"] if with_up else [])
+    for name in names:
+        events.append({"load": name, **post(port, "/load_lora_adapter", {"lora_name": name,
+                                                                          "lora_path": f"{lora_dir}/{name}"})})
+    loaded = [None, "r1"] + [e["load"] for e in events if e.get("success", True) is not False]
+
+    def serve(tag: int, kinds) -> None:
+        wave_jobs = [(prompt(700 + 24 * tag + k), kinds[k % len(kinds)]) for k in range(24)]
+        try:
+            wave_outputs = wave(port, wave_jobs, new_tokens)
+        except Exception as error:  # the server went down: what every later request meets
+            events.append({"wave": tag, "failed": f"{type(error).__name__}: {error}"[:300]})
+            return
+        jobs.extend(wave_jobs)
+        outputs.extend(wave_outputs)
+
+    serve(0, loaded)
+    events.append({"unload": "r1", **post(port, "/unload_lora_adapter", {"lora_name": "r1"})})
+    serve(1, [k for k in loaded if k != "r1"])
+    events.append({"load": "r1", **post(port, "/load_lora_adapter", {"lora_name": "r1", "lora_path": f"{lora_dir}/r1"})})
+    serve(2, loaded)
+    return {"events": events, "requests": [{"prompt": ids, "adapter": adapter, "output": out}
+                                           for (ids, adapter), out in zip(jobs, outputs)]}
+
+
 def load(port: int, new_tokens: int = 128) -> dict:
     result = {}
     for concurrency in (1, 16, 64):
@@ -74,11 +118,14 @@ def load(port: int, new_tokens: int = 128) -> dict:
 
 def main(argv) -> int:
     task, port, out, name = argv[0], int(argv[1]), argv[2], argv[3]
-    result = {"name": name, **{"run": run, "long": long, "load": load}[task](port)}
+    if task == "adapters":
+        result = {"name": name, **adapters(port, argv[4], len(argv) > 5 and argv[5] == "up")}
+    else:
+        result = {"name": name, **{"run": run, "long": long, "load": load}[task](port)}
     with open(out, "w") as f:
         json.dump(result, f)
     summary = {k: v for k, v in result.items() if k != "requests"}
-    print(json.dumps(summary) if task == "load" else f"{name}: {len(result['requests'])} requests answered")
+    print(json.dumps(summary) if task in ("load", "adapters") else f"{name}: {len(result['requests'])} requests answered")
     return 0
 
 

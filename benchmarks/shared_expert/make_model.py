@@ -10,7 +10,10 @@
 
 Adapters (peft layout, ``target_modules`` gate/up/down): ``r1`` (rank 16) and ``r2`` (rank 32) on the
 routed experts, ``s1`` (rank 16) on the routed experts *and* the shared expert, the layout peft writes
-for these models. Random bf16 weights, seeded: the same files on every machine. Real safetensors:
+for these models. And three that SGLang's loader gets wrong, loaded at runtime by ``client.py adapters``:
+``rs`` (rsLoRA, rank 16, alpha 32: peft scales it by 8, SGLang by 2), ``up`` (expert LoRA on ``up_proj``
+alone: SGLang's scheduler dies at its first batch) and ``att`` (attention only: ``q_proj``, ``v_proj``).
+Random bf16 weights, seeded: the same files on every machine. Real safetensors:
 SGLang refuses LoRA adapters with ``--load-format dummy``.
 """
 
@@ -25,6 +28,10 @@ from safetensors.torch import save_file
 
 ADAPTERS = {"r1": (16, 32, False), "r2": (32, 32, False), "s1": (16, 16, True)}
 """name: (rank, lora_alpha, on the shared expert too)"""
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MORE_ADAPTERS = {"rs": (16, 32, EXPERT_PROJECTIONS, {"use_rslora": True}), "up": (16, 32, ("up_proj",), {}),
+                 "att": (16, 32, ("q_proj", "v_proj"), {})}
+"""name: (rank, lora_alpha, the modules it targets, more of its peft config) (glm only: MHA names)"""
 VOCAB, HIDDEN, LAYERS = 2048, 256, 2
 
 ARCHS = {
@@ -111,18 +118,30 @@ def model_weights(cfg: dict) -> dict:
     return w.tensors
 
 
-def adapter_weights(cfg: dict, rank: int, shared: bool, seed: int) -> dict:
+def adapter_weights(cfg: dict, rank: int, shared: bool, seed: int, projections=EXPERT_PROJECTIONS) -> dict:
     w = Weights(seed=seed)
     inter = cfg["moe_intermediate_size"]
     mlps = [f"experts.{e}" for e in range(cfg["n_routed_experts"])] + (["shared_experts"] if shared else [])
+    sizes = {"gate_proj": (HIDDEN, inter), "up_proj": (HIDDEN, inter), "down_proj": (inter, HIDDEN)}
     for layer in range(LAYERS):
-        for mlp in mlps:
-            p = f"base_model.model.model.layers.{layer}.mlp.{mlp}"
-            for proj, (fan_in, fan_out) in (("gate_proj", (HIDDEN, inter)), ("up_proj", (HIDDEN, inter)),
-                                            ("down_proj", (inter, HIDDEN))):
-                w.add(f"{p}.{proj}.lora_A.weight", rank, fan_in, scale=0.3)
-                w.add(f"{p}.{proj}.lora_B.weight", fan_out, rank, scale=0.3)
+        for module, proj in [(f"mlp.{mlp}", proj) for mlp in mlps for proj in projections if proj in sizes]:
+            fan_in, fan_out = sizes[proj]
+            w.add(f"base_model.model.model.layers.{layer}.{module}.{proj}.lora_A.weight", rank, fan_in, scale=0.3)
+            w.add(f"base_model.model.model.layers.{layer}.{module}.{proj}.lora_B.weight", fan_out, rank, scale=0.3)
+        for proj in (p for p in projections if p in ("q_proj", "v_proj")):
+            rows = (cfg["num_attention_heads"] if proj == "q_proj" else cfg["num_key_value_heads"]) * cfg["head_dim"]
+            w.add(f"base_model.model.model.layers.{layer}.self_attn.{proj}.lora_A.weight", rank, HIDDEN, scale=0.3)
+            w.add(f"base_model.model.model.layers.{layer}.self_attn.{proj}.lora_B.weight", rows, rank, scale=0.3)
     return w.tensors
+
+
+def write_adapter(path: str, model_dir: str, tensors: dict, rank: int, alpha: int, targets, **more) -> None:
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, f"{path}/adapter_model.safetensors")
+    with open(f"{path}/adapter_config.json", "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none",
+                   "target_modules": list(targets), "task_type": "CAUSAL_LM", "base_model_name_or_path": model_dir,
+                   **more}, f)
 
 
 def main(arch: str, model_dir: str, lora_dir: str) -> None:
@@ -132,14 +151,13 @@ def main(arch: str, model_dir: str, lora_dir: str) -> None:
     with open(f"{model_dir}/config.json", "w") as f:
         json.dump(cfg, f, indent=1)
     for seed, (name, (rank, alpha, shared)) in enumerate(ADAPTERS.items(), start=1):
-        path = f"{lora_dir}/{name}"
-        os.makedirs(path, exist_ok=True)
-        save_file(adapter_weights(cfg, rank, shared, seed), f"{path}/adapter_model.safetensors")
-        with open(f"{path}/adapter_config.json", "w") as f:
-            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none",
-                       "target_modules": ["gate_proj", "up_proj", "down_proj"], "task_type": "CAUSAL_LM",
-                       "base_model_name_or_path": model_dir}, f)
-    print(f"{arch}: model in {model_dir}, adapters {list(ADAPTERS)} in {lora_dir}")
+        write_adapter(f"{lora_dir}/{name}", model_dir, adapter_weights(cfg, rank, shared, seed), rank, alpha,
+                      EXPERT_PROJECTIONS)
+    more = MORE_ADAPTERS if arch == "glm" else {}
+    for seed, (name, (rank, alpha, projections, extra)) in enumerate(more.items(), start=len(ADAPTERS) + 1):
+        write_adapter(f"{lora_dir}/{name}", model_dir, adapter_weights(cfg, rank, False, seed, projections), rank,
+                      alpha, projections, **extra)
+    print(f"{arch}: model in {model_dir}, adapters {[*ADAPTERS, *more]} in {lora_dir}")
 
 
 if __name__ == "__main__":

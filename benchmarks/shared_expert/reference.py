@@ -56,7 +56,8 @@ class Reference:
     def _merge(self, adapter: str, state: dict) -> None:
         with open(f"{self.lora_dir}/{adapter}/adapter_config.json") as f:
             cfg = json.load(f)
-        scale = cfg["lora_alpha"] / cfg["r"]
+        # peft's scaling: lora_alpha / r, or lora_alpha / sqrt(r) for rsLoRA (use_rslora).
+        scale = cfg["lora_alpha"] / (cfg["r"] ** 0.5 if cfg.get("use_rslora") else cfg["r"])
         lora = load_file(f"{self.lora_dir}/{adapter}/adapter_model.safetensors", device=self.device)
         inter = self.model.config.moe_intermediate_size
         for key in [k for k in lora if k.endswith("lora_A.weight")]:

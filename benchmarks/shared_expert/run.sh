@@ -9,6 +9,9 @@
 # With "load": throughput only, guard on, guard off, guard on again (the drift between servers).
 # With "long": 80 requests of 256 new tokens (client.py long), guard on, and guard off with
 # --disable-shared-experts-fusion (SGLang's dual-stream path with its in-place MoE output, 0.5.11-0.5.16).
+# With "adapters" (glm): adapters loaded, unloaded and reloaded at runtime (client.py adapters), guard on
+# (the up_proj-only adapter too), and guard off with --disable-shared-experts-fusion (up_proj last: it
+# takes SGLang's scheduler down); two slots (--max-loras-per-batch 2) so that adapters share them.
 set -u
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 here=benchmarks/shared_expert
@@ -33,6 +36,7 @@ serve() {  # NAME PORT GUARD_VALUE [EXTRA SERVER ARGS...]
   if [ $ok = 1 ]; then
     echo "== $name: up after $((SECONDS - t0)) s"
     case "$mode" in
+      adapters) python3 $here/client.py adapters "$port" "$OUT/run-$name.json" "$name" "$lora" $ADAPTERS_UP ;;
       long) python3 $here/client.py long "$port" "$OUT/run-$name.json" "$name" ;;
       load) python3 $here/client.py load "$port" "$OUT/load-$name.json" "$name" ;;
       *) python3 $here/client.py run "$port" "$OUT/run-$name.json" "$name"
@@ -53,7 +57,11 @@ if [ "$mode" = load ]; then
   for f in "$OUT"/load-$arch-*.json; do echo "$(basename "$f"): $(cat "$f")"; done
   exit 0
 fi
-if [ "$mode" = long ]; then
+if [ "$mode" = adapters ]; then
+  more=(--max-loras-per-batch 2 --lora-target-modules gate_proj up_proj down_proj q_proj v_proj)
+  ADAPTERS_UP=up serve adapters-guard 31001 1 "${more[@]}"
+  ADAPTERS_UP= serve adapters-noguard-nofusion 31002 0 --disable-shared-experts-fusion "${more[@]}"
+elif [ "$mode" = long ]; then
   serve long-guard 31001 1
   serve long-noguard-nofusion 31002 0 --disable-shared-experts-fusion
 else

@@ -14,8 +14,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import math
 import os
+import tempfile
 import traceback
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
 
@@ -91,10 +94,225 @@ def router_weight_on_input(cpu, guarded: bool) -> dict:
     return _rows(cpu, out, ref)
 
 
-CASES = {"inplace": inplace, "gate_up_layout": gate_up_layout, "router_weight_on_input": router_weight_on_input}
+# --- the adapters SGLang's own LoRA manager, loader and pool get wrong (tests/test_adapters.py) -------------
+
+
+SIZES = dict(layers=2, experts=4, hidden=64, intermediate=32)
+SLOTS = [1, 1, 1, 0, 0]  # pool slot 1 (the adapter), then slot 0 (the base model)
+
+
+def _guard_adapters(guarded: bool) -> None:
+    """As the plugin arms it: both moments and every defect's own patches (the adapter entries' too)."""
+    from sglang_lora_tma_guard import serving
+    from sglang_lora_tma_guard.settings import read_switch
+
+    serving.activate(read_switch({"SGLANG_LORA_TMA_GUARD": "1"})) if guarded else serving.deactivate()
+
+
+_scratch_root = None
+
+
+def _scratch() -> Path:
+    """A new folder for one case's adapters, under one temporary folder that lives as long as the process."""
+    global _scratch_root
+    if _scratch_root is None:
+        _scratch_root = tempfile.TemporaryDirectory(prefix="layer-probe-")
+    return Path(tempfile.mkdtemp(dir=_scratch_root.name))
+
+
+def _raised(exc: BaseException) -> dict:
+    """An exception, short: its type, its message's start, and the innermost line of SGLang's it came from."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}sglang{os.sep}" in f.filename]
+    at = frames[-1] if frames else traceback.extract_tb(exc.__traceback__)[-1]
+    where = at.filename.split(f"{os.sep}sglang{os.sep}", 1)[-1]
+    return {"raised": type(exc).__name__, "message": str(exc)[:120], "at": f"{where}:{at.lineno}"}
+
+
+def _forward_error(cpu, manager, moe, written, scale, rank: int) -> float:
+    """Layer 0's forward over slots 0 (base) and 1 (rank ``rank``) as the pool holds them, against the
+    reference of the adapter ``written`` at ``scale`` on slot 1's tokens."""
+    x = (torch.randn(len(SLOTS), SIZES["hidden"], generator=torch.Generator().manual_seed(3)) * 0.5).half()
+    topk = cpu.routing(len(SLOTS), SIZES["experts"], 2, seed=4)
+    module = cpu.wrapped(manager)[0]
+    out = cpu.forward(module, x.clone(), topk, cpu.pool_lora_info(manager, 0, [0, rank], SLOTS))
+    meant = cpu.as_expert_adapter(written, 0, SIZES["experts"], SIZES["hidden"], SIZES["intermediate"], scale)
+    ref = cpu.reference(moe[0], x, topk, [meant], [0 if s else -1 for s in SLOTS])
+    return round(cpu.relative_error(out, ref), 4)
+
+
+def _serve(cpu, manager, refs, moe, name, written, scale, rank: int = 8) -> dict:
+    """A batch's slot fill (adapter ``name`` into slot 1, the base model into 0) by SGLang's own loader,
+    then the forward: its relative error, or where it failed (the fill is where a scheduler dies)."""
+    try:
+        cpu.fill_slot(manager, 1, name, refs)
+        cpu.fill_slot(manager, 0, None, refs)
+    except Exception as exc:
+        return {"fill": _raised(exc)}
+    return {"fill": "ok", "rel_error": _forward_error(cpu, manager, moe, written, scale, rank)}
+
+
+def _load(manager, name: str, folder) -> tuple:
+    """SGLang's dynamic load (``/load_lora_adapter``): (its answer, short; the ref)."""
+    from sglang.srt.lora.lora_registry import LoRARef
+
+    ref = LoRARef(lora_name=name, lora_path=str(folder), pinned=False)
+    answer = manager.load_lora_adapter(ref)
+    message = getattr(answer, "error_message", None) or ""
+    return {"success": bool(answer.success), "message": message[:120]}, ref
+
+
+def _slot_max(manager, slot: int, module: str) -> dict:
+    """The largest |value| in one pool slot's buffers of ``module``, every layer, A and B."""
+    pool = manager.memory_pool
+    return {side: round(max(float(t[slot].abs().max()) for t in buffers[module] if t is not None), 4)
+            for side, buffers in (("A", pool.A_buffer), ("B", pool.B_buffer))}
+
+
+def stale_expert_slot(cpu, guarded: bool) -> dict:
+    """X (gate/up/down) into slot 1 by SGLang's loader, then Z (gate/up, no down_proj) into the same slot."""
+    _guard_adapters(guarded)
+    tmp = _scratch()
+    cpu.write_adapter(Path(tmp, "x"), rank=8, **SIZES)
+    z = cpu.write_adapter(Path(tmp, "z"), rank=4, projections=("gate_proj", "up_proj"), seed=7, **SIZES)
+    manager, refs, moe = cpu.real_manager({"x": Path(tmp, "x"), "z": Path(tmp, "z")})
+    cpu.fill_slot(manager, 0, None, refs)
+    cpu.fill_slot(manager, 1, "x", refs)
+    x_down = _slot_max(manager, 1, "down_proj_moe")
+    cpu.fill_slot(manager, 1, "z", refs)
+    return {"down_after_x": x_down, "down_after_z": _slot_max(manager, 1, "down_proj_moe"),
+            "z_rel_error": _forward_error(cpu, manager, moe, z, 2.0, 4)}
+
+
+def rslora_scaling(cpu, guarded: bool) -> dict:
+    _guard_adapters(guarded)
+    tmp = _scratch()
+    written = cpu.write_adapter(Path(tmp, "rs"), rank=8, alpha=16, use_rslora=True, **SIZES)
+    manager, refs, moe = cpu.real_manager({"rs": Path(tmp, "rs")})
+    peft = 16 / math.sqrt(8)
+    return {"sglang_scaling": round(manager.loras[refs["rs"].lora_id].scaling, 4), "peft_scaling": round(peft, 4),
+            **_serve(cpu, manager, refs, moe, "rs", written, peft)}
+
+
+def lora_patterns(cpu, guarded: bool) -> dict:
+    """rank_pattern: the down projections rank 4 (r 8); alpha_pattern: their alpha 32 (the adapter's 16).
+    And a rank_pattern above r (down_proj rank 16), on a pool of rank 16."""
+    _guard_adapters(guarded)
+    report = {}
+    tmp = _scratch()
+    written = cpu.write_adapter(Path(tmp, "p"), rank=8, alpha=16, ranks={"down_proj": 4},
+                                rank_pattern={"down_proj": 4}, alpha_pattern={"down_proj": 32}, **SIZES)
+    manager, refs, moe = cpu.real_manager({"p": Path(tmp, "p")})
+    report["patterns"] = _serve(cpu, manager, refs, moe, "p", written,
+                                {"gate_proj": 2.0, "up_proj": 2.0, "down_proj": 32 / 4})
+    big = cpu.write_adapter(Path(tmp, "big"), rank=8, ranks={"down_proj": 16}, rank_pattern={"down_proj": 16},
+                            **SIZES)
+    try:
+        manager, refs, moe = cpu.real_manager({"big": Path(tmp, "big")}, rank=16)
+    except Exception as exc:
+        report["rank_above_r"] = {"start": _raised(exc)}
+    else:
+        report["rank_above_r"] = {"start": "ok", **_serve(cpu, manager, refs, moe, "big", big, 2.0)}
+    return report
+
+
+def up_proj_only_experts(cpu, guarded: bool) -> dict:
+    _guard_adapters(guarded)
+    tmp = _scratch()
+    written = cpu.write_adapter(Path(tmp, "up"), rank=8, projections=("up_proj", "down_proj"), **SIZES)
+    manager, refs, moe = cpu.real_manager({"up": Path(tmp, "up")})
+    return _serve(cpu, manager, refs, moe, "up", written, 2.0)
+
+
+def peft_target_parameters(cpu, guarded: bool) -> dict:
+    """A PEFT >= 0.18 adapter (``experts.base_layer`` keys, ``target_parameters``) loaded at runtime next to
+    a served one; where SGLang accepts it, its first batch's slot fill."""
+    from safetensors.torch import load_file, save_file
+
+    _guard_adapters(guarded)
+    tmp = _scratch()
+    written = cpu.write_adapter(Path(tmp, "ok"), rank=8, **SIZES)
+    fused = Path(tmp, "fused")
+    cpu.write_adapter(fused, rank=8, target_parameters=["mlp.experts.gate_up_proj"], **SIZES)
+    tensors = load_file(str(fused / "adapter_model.safetensors"))
+    save_file({name.replace(".experts.0.gate_proj.", ".experts.base_layer."): t for name, t in tensors.items()
+               if ".experts.0.gate_proj." in name}, str(fused / "adapter_model.safetensors"))
+    manager, refs, moe = cpu.real_manager({"ok": Path(tmp, "ok")})
+    load, ref = _load(manager, "fused", fused)
+    report = {"load": load, "adapters_loaded": len(manager.loras)}
+    if load["success"]:
+        refs["fused"] = ref
+        try:
+            cpu.fill_slot(manager, 1, "fused", refs)
+            report["first_batch"] = "ok"
+        except Exception as exc:
+            report["first_batch"] = _raised(exc)
+    report["others"] = _serve(cpu, manager, refs, moe, "ok", written, 2.0)
+    return report
+
+
+def one_sided_expert_targets(cpu, guarded: bool) -> dict:
+    """Expert LoRA on down_proj alone, the server's targets inferred from it (no --lora-target-modules)."""
+    _guard_adapters(guarded)
+    tmp = _scratch()
+    written = cpu.write_adapter(Path(tmp, "down"), rank=8, projections=("down_proj",), **SIZES)
+    manager, refs, moe = cpu.real_manager({"down": Path(tmp, "down")}, targets=None)
+    wrapped = [type(m).__name__ for m in cpu.wrapped(manager)]
+    report = {"targets": sorted(manager.target_modules), "wrapped": wrapped,
+              "adapter_loaded": refs["down"].lora_id in manager.loras}
+    if wrapped:
+        report.update(_serve(cpu, manager, refs, moe, "down", written, 2.0))
+    return report
+
+
+def _experts_with_lora(manager, slot: int) -> list:
+    """Per expert of layer 0, whether slot ``slot`` holds any gate-up A of it (per-expert pool)."""
+    a = manager.memory_pool.A_buffer["gate_up_proj_moe"][0][slot]
+    return [bool(a[e].abs().max() > 0) for e in range(a.shape[0])]
+
+
+def shared_outer_at_runtime(cpu, guarded: bool) -> dict:
+    """A shared-outer adapter loaded at runtime into the per-expert pool a per-expert adapter started."""
+    _guard_adapters(guarded)
+    tmp = _scratch()
+    cpu.write_adapter(Path(tmp, "per"), rank=8, **SIZES)
+    written = cpu.write_adapter(Path(tmp, "shared"), rank=8, shared_outer=True, seed=5, **SIZES)
+    manager, refs, moe = cpu.real_manager({"per": Path(tmp, "per")})
+    load, ref = _load(manager, "shared", Path(tmp, "shared"))
+    report = {"pool_shared_outer": bool(getattr(manager, "experts_shared_outer_loras", False)), "load": load}
+    if load["success"]:
+        refs["shared"] = ref
+        report.update(_serve(cpu, manager, refs, moe, "shared", written, 2.0))
+        if report["fill"] == "ok":
+            report["experts_with_lora"] = _experts_with_lora(manager, 1)
+    return report
+
+
+def mixtral_target_names(cpu, guarded: bool) -> dict:
+    """An adapter on w1 / w3 / w2 (Mixtral's names), the server's targets inferred from it."""
+    _guard_adapters(guarded)
+    tmp = _scratch()
+    written = cpu.write_adapter(Path(tmp, "mix"), rank=8, names={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+                                **SIZES)
+    try:
+        manager, refs, moe = cpu.real_manager({"mix": Path(tmp, "mix")}, targets=None)
+    except Exception as exc:
+        return {"start": _raised(exc)}
+    return {"start": "ok", "targets": sorted(manager.target_modules),
+            "wrapped": len(cpu.wrapped(manager)), **_serve(cpu, manager, refs, moe, "mix", written, 2.0)}
+
+
+CASES = {"inplace": inplace, "gate_up_layout": gate_up_layout, "router_weight_on_input": router_weight_on_input,
+         "stale_expert_slot": stale_expert_slot, "rslora_scaling": rslora_scaling, "lora_patterns": lora_patterns,
+         "up_proj_only_experts": up_proj_only_experts, "peft_target_parameters": peft_target_parameters,
+         "one_sided_expert_targets": one_sided_expert_targets, "shared_outer_at_runtime": shared_outer_at_runtime,
+         "mixtral_target_names": mixtral_target_names}
 SKIP = {"gate_up_layout": minimax_unsupported}
 """Why a case cannot be built on this release (None: it can)."""
-DEFECTS = {"inplace": "inplace_race", "gate_up_layout": "gate_up_layout", "router_weight_on_input": "router_weight_on_input"}
+DEFECTS = {"inplace": "inplace_race", "gate_up_layout": "gate_up_layout", "router_weight_on_input": "router_weight_on_input",
+           "stale_expert_slot": "stale_expert_slot", "rslora_scaling": "rslora_scaling", "lora_patterns": "lora_patterns",
+           "up_proj_only_experts": "up_proj_only_experts", "peft_target_parameters": "peft_target_parameters",
+           "one_sided_expert_targets": "one_sided_expert_targets", "shared_outer_at_runtime": "shared_outer_runtime",
+           "mixtral_target_names": "mixtral_target_names"}
 """The guard's defect module of each case: what it reads in this release's code is reported with the case."""
 
 
