@@ -38,7 +38,8 @@ class Reference:
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
         self.lora_dir, self.device = lora_dir, device
-        self.pristine = {k: v.detach().clone() for k, v in self.model.state_dict().items() if ".mlp." in k}
+        # Every weight an adapter may merge into (experts, shared expert, attention), restored before the next.
+        self.pristine = {k: v.detach().clone() for k, v in self.model.state_dict().items() if ".layers." in k}
         self.adapter = None
 
     def use(self, adapter: str | None) -> None:

@@ -271,19 +271,29 @@ def _experts_with_lora(manager, slot: int) -> list:
 
 
 def shared_outer_at_runtime(cpu, guarded: bool) -> dict:
-    """A shared-outer adapter loaded at runtime into the per-expert pool a per-expert adapter started."""
+    """A shared-outer adapter loaded at runtime into the per-expert pool a per-expert adapter started; and
+    ``reverse``: a per-expert adapter into the shared-outer pool a shared-outer adapter started (``own``: that
+    adapter's own served error, the pool read right)."""
     _guard_adapters(guarded)
     tmp = _scratch()
-    cpu.write_adapter(Path(tmp, "per"), rank=8, **SIZES)
-    written = cpu.write_adapter(Path(tmp, "shared"), rank=8, shared_outer=True, seed=5, **SIZES)
+    per = cpu.write_adapter(Path(tmp, "per"), rank=8, **SIZES)
+    shared = cpu.write_adapter(Path(tmp, "shared"), rank=8, shared_outer=True, seed=5, **SIZES)
     manager, refs, moe = cpu.real_manager({"per": Path(tmp, "per")})
     load, ref = _load(manager, "shared", Path(tmp, "shared"))
     report = {"pool_shared_outer": bool(getattr(manager, "experts_shared_outer_loras", False)), "load": load}
     if load["success"]:
         refs["shared"] = ref
-        report.update(_serve(cpu, manager, refs, moe, "shared", written, 2.0))
+        report.update(_serve(cpu, manager, refs, moe, "shared", shared, 2.0))
         if report["fill"] == "ok":
             report["experts_with_lora"] = _experts_with_lora(manager, 1)
+    manager, refs, moe = cpu.real_manager({"shared": Path(tmp, "shared")})
+    reverse = {"pool_shared_outer": bool(getattr(manager, "experts_shared_outer_loras", False)),
+               "own": _serve(cpu, manager, refs, moe, "shared", shared, 2.0)}
+    reverse["load"], ref = _load(manager, "per", Path(tmp, "per"))
+    if reverse["load"]["success"]:
+        refs["per"] = ref
+        reverse.update(_serve(cpu, manager, refs, moe, "per", per, 2.0))
+    report["reverse"] = reverse
     return report
 
 

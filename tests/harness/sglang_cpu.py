@@ -313,20 +313,21 @@ def write_adapter(folder, *, layers: int, experts: int, hidden: int, intermediat
 
 
 def _shared_outer(written, layers, experts):
-    """The packed shared-outer layout: ``experts.gate_up_proj`` A ``(1, 2r, H)`` and down B ``(1, H, r)``
-    shared, gate-up B ``(E, 2I, r)`` and down A ``(E, r, I)`` per expert."""
+    """The packed shared-outer layout, 3-D tensors without an expert index: ``experts.gate_proj`` and
+    ``experts.up_proj`` A ``(1, r, H)`` and down B ``(1, H, r)`` shared, their B ``(E, I, r)`` and down A
+    ``(E, r, I)`` per expert. SGLang stacks gate and up into ``experts.gate_up_proj`` (A ``(1, 2r, H)``), the
+    layout its ``_detect_shared_outer_loras`` reads. (A packed ``experts.gate_up_proj`` lora_A is read as one A
+    for both halves and repeated: ``normalize_gate_up_proj``, the ``elif "gate_up_proj"`` branch.)"""
     tensors = {}
     for layer in range(layers):
         prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
-        gate_a, _ = written[layer, 0, "gate_proj"]
-        up_a, _ = written[layer, 0, "up_proj"]
-        _, down_b = written[layer, 0, "down_proj"]
-        tensors[f"{prefix}.gate_up_proj.lora_A.weight"] = torch.cat([gate_a, up_a])[None].half()
-        tensors[f"{prefix}.gate_up_proj.lora_B.weight"] = torch.stack(
-            [torch.cat([written[layer, e, "gate_proj"][1], written[layer, e, "up_proj"][1]]) for e in range(experts)]).half()
+        for projection in ("gate_proj", "up_proj"):
+            tensors[f"{prefix}.{projection}.lora_A.weight"] = written[layer, 0, projection][0][None].half()
+            tensors[f"{prefix}.{projection}.lora_B.weight"] = torch.stack(
+                [written[layer, e, projection][1] for e in range(experts)]).half()
         tensors[f"{prefix}.down_proj.lora_A.weight"] = torch.stack(
             [written[layer, e, "down_proj"][0] for e in range(experts)]).half()
-        tensors[f"{prefix}.down_proj.lora_B.weight"] = down_b[None].half()
+        tensors[f"{prefix}.down_proj.lora_B.weight"] = written[layer, 0, "down_proj"][1][None].half()
     return tensors
 
 
@@ -383,24 +384,50 @@ def fill_slot(manager, slot: int, name: str | None, refs):
 
 
 def pool_lora_info(manager, layer: int, slot_ranks, token_slots):
-    """SGLang's ``LoRAInfo`` for one layer of a batch, its weights the pool's buffers as filled."""
+    """SGLang's ``LoRAInfo`` for one layer of a batch, as that layer's own ``_get_lora_info`` builds it: its
+    weights the pool's buffers as filled; the expert count, layout flags and sizes the LoRA-wrapped layer's
+    (``base_layer.num_experts``, not the buffers': a shared-outer pool keeps one down B); which slots are
+    enabled, and each token's slot, by the release's own rule (:func:`_moe_batch_maps`)."""
     from sglang.srt.lora.lora_moe_runners import LoRAInfo
 
     pool = manager.memory_pool
-    mapping = torch.tensor(token_slots, dtype=torch.int32)
+    module = next(m for m in manager.lora_modules[layer].values() if hasattr(getattr(m, "base_layer", None), "w13_weight"))
+    ranks = torch.tensor(slot_ranks, dtype=torch.int32)
     bounds = [0] + [i for i in range(1, len(token_slots)) if token_slots[i] != token_slots[i - 1]]
     seg = torch.tensor(bounds + [len(token_slots)], dtype=torch.int32)
+    req_to_lora = torch.tensor([token_slots[i] for i in bounds], dtype=torch.int32)
+    enabled, mapping = _moe_batch_maps(seg, ranks, req_to_lora, len(token_slots))
     values = dict(
         gate_up_lora_a_weights=pool.A_buffer["gate_up_proj_moe"][layer],
         gate_up_lora_b_weights=pool.B_buffer["gate_up_proj_moe"][layer],
         down_lora_a_weights=pool.A_buffer["down_proj_moe"][layer], down_lora_b_weights=pool.B_buffer["down_proj_moe"][layer],
-        seg_indptr=seg, req_to_lora=mapping[seg[:-1].long()], lora_ranks=torch.tensor(slot_ranks, dtype=torch.int32),
-        adapter_enabled=torch.tensor([int(r > 0) for r in slot_ranks], dtype=torch.int32), token_lora_mapping=mapping,
-        max_lora_rank=pool.A_buffer["down_proj_moe"][layer].shape[2], num_experts=pool.B_buffer["down_proj_moe"][layer].shape[1],
-        has_active_lora=True, hidden_size=pool.B_buffer["down_proj_moe"][layer].shape[2],
-        experts_shared_outer_loras=bool(getattr(manager, "experts_shared_outer_loras", False)))
+        seg_indptr=seg, req_to_lora=req_to_lora, lora_ranks=ranks, adapter_enabled=enabled, token_lora_mapping=mapping,
+        max_lora_rank=pool.A_buffer["down_proj_moe"][layer].shape[2], num_experts=module.base_layer.num_experts,
+        has_active_lora=bool((ranks[req_to_lora.long()] > 0).any()), hidden_size=getattr(module.base_layer, "hidden_size", 0),
+        experts_shared_outer_loras=bool(getattr(module, "experts_shared_outer_loras", False)),
+        lora_use_virtual_experts=bool(getattr(module, "lora_use_virtual_experts", False)),
+        tp_size=getattr(module, "tp_size", 1), tp_rank=getattr(module, "tp_rank", 0))
     fields = {f.name for f in dataclasses.fields(LoRAInfo)}
     return LoRAInfo(**{k: v for k, v in values.items() if k in fields})
+
+
+def _moe_batch_maps(seg_indptr, lora_ranks, req_to_lora, num_tokens: int):
+    """(adapter_enabled, token_lora_mapping) of a batch as the release computes them: its LoRA backend's
+    ``_compute_moe_lora_info`` where it has one (0.5.13+: a slot is enabled when the batch uses it and its
+    rank is above 0); before that the LoRA layer's ``_get_lora_info`` enables every slot the batch uses,
+    the base model's (rank 0) too, and the MoE path maps tokens from the segments."""
+    try:
+        from sglang.srt.lora.backend.base_backend import _compute_moe_lora_info
+    except ImportError:
+        _compute_moe_lora_info = None
+    if _compute_moe_lora_info is not None:
+        lengths = (seg_indptr[1:] - seg_indptr[:-1]).tolist()
+        return _compute_moe_lora_info(num_tokens, seg_indptr, lora_ranks, req_to_lora, None, None,
+                                      max_len=max(lengths, default=1))
+    enabled = torch.zeros(len(lora_ranks), dtype=torch.int32)
+    enabled.index_fill_(0, req_to_lora.long(), 1)
+    mapping = torch.repeat_interleave(req_to_lora, (seg_indptr[1:] - seg_indptr[:-1]).long())
+    return enabled, mapping
 
 
 def as_expert_adapter(written, layer: int, experts: int, hidden: int, intermediate: int, scale):
