@@ -188,6 +188,9 @@ def _refused(result: dict, case: str) -> str:
 
 LAYER_CASES = {"inplace-race": "inplace", "gate-up-layout": "gate_up_layout",
                "router-weight-on-input": "router_weight_on_input"}
+LAYER_CASES.update({name: name.replace("-", "_") for name in (
+    "stale-expert-slot", "rslora-scaling", "lora-patterns", "up-proj-only-experts", "peft-target-parameters",
+    "one-sided-expert-targets", "shared-outer-at-runtime", "mixtral-target-names")})
 """The cases of tests/harness/layer_probe.py, by defect."""
 
 
@@ -219,6 +222,10 @@ def entry_cells(defect_id: str, result: dict, layer: dict) -> tuple[list[str], l
         return (["unguarded error (adapter / base rows)", "guarded"],
                 [f"{_err(off.get('adapter_rel_error', off.get('error')))} / {_err(off.get('base_rel_error'))}",
                  "refused" if on.get("refused") else _err(on.get("error", "started"))])
+    adapter = ADAPTER_CELLS.get(defect_id)
+    if adapter is not None:
+        off, on = layer.get("unguarded", layer), layer.get("guarded", layer)
+        return (["unguarded", "guarded"], [adapter(off), adapter(on)])
     if defect_id == "fused-sum-all-reduce":
         received = change["fused_sum_all_reduce"]
         return (["a LoRA server's flag, as a scheduler receives it"], ["off" if received is False else "ON"])
@@ -238,6 +245,42 @@ def entry_cells(defect_id: str, result: dict, layer: dict) -> tuple[list[str], l
     if defect_id == "ngram-cuda-graph":
         return (["guard: --speculative-algorithm NGRAM"], [_refused(result, "ngram")])
     return (["the guard on this release"], ["see the table above"])
+
+
+def _outcome(found) -> str:
+    """A step of an adapter case: ``ok``, the exception SGLang raised, or the error of the served layer."""
+    if isinstance(found, dict) and "raised" in found:
+        return f"{found['raised']} at {found.get('at', '?')}"
+    if isinstance(found, dict) and "rel_error" in found:
+        return f"error {_err(found['rel_error'])}"
+    return str(found)
+
+
+def _served(found: dict) -> str:
+    if "error" in found:
+        return f"probe error: {found['error'][:60]}"
+    fill = found.get("fill", "ok")
+    return _outcome(fill) if fill != "ok" else f"error {_err(found.get('rel_error'))}"
+
+
+ADAPTER_CELLS = {
+    "stale-expert-slot": lambda f: (f"slot 1's down LoRA after Z: {_err((f.get('down_after_z') or {}).get('B'))}, "
+                                    f"Z served with error {_err(f.get('z_rel_error'))}"),
+    "rslora-scaling": lambda f: f"scaling {_err(f.get('sglang_scaling'))} (peft {_err(f.get('peft_scaling'))}), {_served(f)}",
+    "lora-patterns": lambda f: (f"patterns: {_served(f.get('patterns') or {})}; rank above r: "
+                                + (_outcome((f.get("rank_above_r") or {}).get("start")) if (f.get("rank_above_r") or {}).get(
+                                    "start") != "ok" else _served(f.get("rank_above_r") or {}))),
+    "up-proj-only-experts": _served,
+    "peft-target-parameters": lambda f: ("load " + ("accepted" if (f.get("load") or {}).get("success") else "refused")
+                                         + (f", first batch: {_outcome(f['first_batch'])}" if "first_batch" in f else "")
+                                         + f"; the others: {_served(f.get('others') or {})}"),
+    "one-sided-expert-targets": lambda f: (f"targets {f.get('targets')}, {len(f.get('wrapped') or [])} layers wrapped"
+                                           + (f", {_served(f)}" if f.get("wrapped") else "")),
+    "shared-outer-at-runtime": lambda f: ("load " + ("accepted" if (f.get("load") or {}).get("success") else "refused")
+                                          + (f", {_served(f)}, experts with LoRA {sum(f.get('experts_with_lora') or [])}"
+                                             if (f.get("load") or {}).get("success") else "")),
+    "mixtral-target-names": lambda f: ("starts, " + _served(f)) if f.get("start") == "ok" else _outcome(f.get("start")),
+}
 
 
 def catalogue_markdown(results: list[dict], layers: dict) -> str:

@@ -338,8 +338,9 @@ def activate(switch) -> None:
 
 
 def deactivate() -> None:
-    """Take every patch off again (inert where other code wrapped ours since). Never raises."""
-    for defect in defects.DEFECTS:
+    """Take every patch off again, the last placed first (two defects may wrap one method: the outer one
+    leaves first, so neither is left inert); inert where other code wrapped ours since. Never raises."""
+    for defect in reversed(defects.DEFECTS):
         try:
             defect.deactivate()
         except Exception:

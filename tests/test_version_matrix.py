@@ -147,3 +147,34 @@ def test_each_releases_own_lora_moe_layer_against_the_reference_unguarded_and_gu
     router = found["router_weight_on_input"]
     assert router["unguarded"]["adapter_rel_error"] > WRONG and router["unguarded"]["base_rel_error"] < RIGHT
     assert router["guarded"]["refused"] and "router weight" in router["guarded"]["reasons"][0]
+
+
+@pytest.mark.parametrize("version", version_matrix.FUSION_VERSIONS)
+def test_each_releases_own_lora_manager_loader_and_pool_take_the_adapters_right_only_guarded(layers, version):
+    """SGLang's own LoRAManager (its constructor, --lora-paths, /load_lora_adapter, init_lora_modules) and
+    memory pool on every release, each adapter served against the float32 reference of it as peft defines
+    it; without the guard each one is wrong, crashes or is dropped, as the reviews say."""
+    from sglang_lora_tma_guard.defects import BY_ID
+
+    found = layers[version]
+    stale = found["stale_expert_slot"]
+    assert (stale["unguarded"]["down_after_z"]["B"] > 0) is BY_ID["stale-expert-slot"].in_range(version)
+    assert stale["guarded"]["down_after_z"] == {"A": 0.0, "B": 0.0} and stale["guarded"]["z_rel_error"] < RIGHT
+    rs = found["rslora_scaling"]
+    assert rs["unguarded"]["rel_error"] > WRONG and rs["guarded"]["rel_error"] < RIGHT
+    patterns = found["lora_patterns"]
+    assert patterns["unguarded"]["patterns"]["fill"]["raised"] == "AssertionError"
+    assert patterns["guarded"]["patterns"]["rel_error"] < RIGHT
+    assert "rank_pattern gives" in patterns["guarded"]["rank_above_r"]["start"]["message"]
+    up = found["up_proj_only_experts"]
+    assert up["unguarded"]["fill"]["raised"] == "ValueError" and up["guarded"]["rel_error"] < RIGHT
+    fused = found["peft_target_parameters"]
+    assert fused["unguarded"]["load"]["success"] and fused["unguarded"]["first_batch"]["raised"] == "ValueError"
+    assert not fused["guarded"]["load"]["success"] and fused["guarded"]["others"]["rel_error"] < RIGHT
+    sided = found["one_sided_expert_targets"]
+    assert sided["unguarded"]["wrapped"] == [] and sided["guarded"]["rel_error"] < RIGHT
+    outer = found["shared_outer_at_runtime"]
+    assert outer["unguarded"]["load"]["success"] and outer["unguarded"]["experts_with_lora"] == [True, False, False, False]
+    assert not outer["guarded"]["load"]["success"] and not outer["guarded"]["reverse"]["load"]["success"]
+    mixtral = found["mixtral_target_names"]
+    assert mixtral["unguarded"]["start"]["raised"] == "NotImplementedError" and mixtral["guarded"]["rel_error"] < RIGHT
