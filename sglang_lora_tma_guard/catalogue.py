@@ -32,12 +32,9 @@ import ast
 import enum
 import functools
 import importlib.util
-import logging
 import os
 import sys
 from dataclasses import dataclass
-
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 
 class Remedy(str, enum.Enum):

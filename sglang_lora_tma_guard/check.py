@@ -110,6 +110,8 @@ class SwitchReport:
     valid: bool
     plain: bool
     fast: bool = False
+    state: str = ""
+    """What the value means, as the plugin says it (``Switch.state()``)."""
 
 
 @dataclass(frozen=True)
@@ -284,7 +286,8 @@ def guard_report(strategy: Strategy) -> GuardReport:
     with _trial_lines_quiet(logging.ERROR):  # the trial's LoRA server is no user's
         fusion_trial = _try_the_fusion_fix()
     return GuardReport(
-        switch=SwitchReport(ENV_VAR, switch.value, switch.enabled, switch.valid, switch.plain, switch.fast),
+        switch=SwitchReport(ENV_VAR, switch.value, switch.enabled, switch.valid, switch.plain, switch.fast,
+                            switch.state()),
         entry_point=None if entry is None else f"{entry.name} = {entry.value}",
         sglang_plugins=allow,
         admitted_by_sglang_plugins=allow is None or ENTRY_POINT_NAME in {x.strip() for x in allow.split(",")},
@@ -635,8 +638,7 @@ def _render_guard(guarded: GuardReport | None) -> list[str]:
         return []
     switch = guarded.switch
     value = "unset" if switch.value is None else repr(switch.value)
-    state = (("on, plain fix" if switch.plain else "on, fast LoRA MoE path" if switch.fast else "on") if switch.enabled
-             else ("off, not understood" if not switch.valid else "off"))
+    state = switch.state
     installs = YES_NO[guarded.wrapper_installs]
     if guarded.wrapper_installs and guarded.installed_strategy:
         installs += f" (strategy {guarded.installed_strategy.value})"

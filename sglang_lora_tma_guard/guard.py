@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from dataclasses import asdict, dataclass
 
 from . import weight_tma
@@ -38,9 +37,9 @@ from .inspection import (
     sglang_version,
     version_note,
 )
+from .log import logger
 from .patching import LOCK, Engaged, Patch
 
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 @dataclass
 class _State:
@@ -176,36 +175,36 @@ def _make(original, engaged: Engaged):
     version = sglang_version()
     note = version_note(version)
     if note:
-        logger.info("sglang-lora-tma-guard: %s", note)
+        logger.info("%s", note)
     variant = None
     if inspection.strategy is Strategy.WEIGHT_TMA:
         try:
             variant = weight_tma.build(original)
         except Exception as exc:  # the copy did not build: the plain fix is always possible
             logger.warning(
-                "sglang-lora-tma-guard: the weight-TMA variant of %s did not build (%s: %s); "
+                "the weight-TMA variant of %s did not build (%s: %s); "
                 "using the plain fix", TARGET, type(exc).__name__, exc,
             )
             inspection = inspect_target(original, weight_tma=False)
     _state.inspection = inspection
     if inspection.strategy.installs_wrapper:
         logger.info(
-            "sglang-lora-tma-guard: SGLang %s, strategy %s: %s in %s",
+            "SGLang %s, strategy %s: %s in %s",
             version, inspection.strategy.name, inspection.reason, TARGET,
         )
         if inspection.strategy is Strategy.FLAG and inspection.weight_tma_unavailable and _state.weight_tma:
-            logger.info("sglang-lora-tma-guard: no weight TMA for hooked calls: %s",
+            logger.info("no weight TMA for hooked calls: %s",
                         inspection.weight_tma_unavailable)
         return make_guarded(original, inspection, variant, engaged)
     if inspection.strategy is Strategy.UNSUPPORTED:
         logger.warning(
-            "sglang-lora-tma-guard: SGLang %s, strategy %s: %s. Not patched: LoRA adapters on MoE "
+            "SGLang %s, strategy %s: %s. Not patched: LoRA adapters on MoE "
             "models may still produce garbled output where a tuned config turns TMA on.",
             version, inspection.strategy.name, inspection.reason,
         )
     else:
         logger.info(
-            "sglang-lora-tma-guard: SGLang %s, strategy %s: %s; nothing to patch",
+            "SGLang %s, strategy %s: %s; nothing to patch",
             version, inspection.strategy.name, inspection.reason,
         )
     return None

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 import sys
 from dataclasses import dataclass
 from enum import Enum
 
+from .log import logger
 from .patching import LOCK, Engaged, Patch
-
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 MODULE = "sglang.srt.lora.lora_moe_runners"
 NAME = "build_lora_hooks"
@@ -173,7 +171,7 @@ _said: set[str] = set()
 def _say_once(reason: str) -> None:
     if reason not in _said:
         _said.add(reason)
-        logger.warning("sglang-lora-tma-guard: this LoRA MoE batch goes to SGLang's own LoRA hooks: %s "
+        logger.warning("this LoRA MoE batch goes to SGLang's own LoRA hooks: %s "
                        "(logged once)", reason)
 
 
@@ -230,13 +228,13 @@ def make_build(original, state: _State, engaged: Engaged):
 def _make(original, engaged: Engaged):
     module = sys.modules.get(MODULE)
     if not callable(original) or not hasattr(module, "LoRAHooks"):
-        logger.warning("sglang-lora-tma-guard: %s not found; SGLang's LoRA MoE hooks are left as they are", TARGET)
+        logger.warning("%s not found; SGLang's LoRA MoE hooks are left as they are", TARGET)
         return None
     _state.ve_fixed = virtual_experts_fixed_upstream()
     if _state.mode is Mode.FAST:
-        logger.info("sglang-lora-tma-guard: LoRA MoE deltas on the fast virtual-experts path (%s)", TARGET)
+        logger.info("LoRA MoE deltas on the fast virtual-experts path (%s)", TARGET)
     elif not _state.ve_fixed:
-        logger.info("sglang-lora-tma-guard: --lora-use-virtual-experts on a gated MoE is corrected "
+        logger.info("--lora-use-virtual-experts on a gated MoE is corrected "
                     "(SGLang's path computes the up half from the gate half's A)")
     return make_build(original, _state, engaged)
 
@@ -250,7 +248,7 @@ def activate(mode: Mode) -> None:
         with LOCK:
             _state.mode = Mode(mode)
     except ValueError:
-        logger.exception("sglang-lora-tma-guard: unknown LoRA MoE mode %r; SGLang's hooks are used", mode)
+        logger.exception("unknown LoRA MoE mode %r; SGLang's hooks are used", mode)
         return
     PATCH.activate()
 

@@ -40,14 +40,13 @@ and SGLang's own code is left in place.
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from dataclasses import dataclass
 
 import wrapt
 
-logger = logging.getLogger("sglang_lora_tma_guard")
+from .log import logger
 
 LOCK = threading.RLock()
 
@@ -150,7 +149,7 @@ class Patch:
                     return self.status()
                 if self._handle is not None:
                     if self._current(module) is not self._handle:
-                        logger.warning("sglang-lora-tma-guard: %s is wrapped by other code above the guard; "
+                        logger.warning("%s is wrapped by other code above the guard; "
                                        "its %s stays as it was built", self.target, self.name)
                         return self.status()
                     wrapt.unwrap_object(module, self.attribute, self._handle)
@@ -213,12 +212,12 @@ class Patch:
             removed = None
         if self._in_chain(self._current(module)):
             self._engaged.on = False
-            logger.warning("sglang-lora-tma-guard: %s is wrapped by other code above the guard, so its %s "
+            logger.warning("%s is wrapped by other code above the guard, so its %s "
                            "cannot leave the call chain; it stays there inert, passing every call through "
                            "untouched", self.target, self.name)
             return
         if removed is None:
-            logger.warning("sglang-lora-tma-guard: %s was replaced by other code after the guard's %s was "
+            logger.warning("%s was replaced by other code after the guard's %s was "
                            "placed; left as it is", self.target, self.name)
         self._forget()
 
@@ -241,7 +240,7 @@ class Patch:
 
     def _failed(self, what: str) -> None:
         self._note = f"{self.name} {what} (see the log)"
-        logger.exception("sglang-lora-tma-guard: %s on %s %s; SGLang's own code is left in place. Please "
+        logger.exception("%s on %s %s; SGLang's own code is left in place. Please "
                          "report this with the output of `python -m sglang_lora_tma_guard.check`.",
                          self.name, self.target, what)
 

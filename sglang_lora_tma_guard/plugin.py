@@ -18,13 +18,11 @@ what the guard does there.
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from . import guard, serving
+from .log import logger
 from .settings import ENV_VAR, invalid_value_message, read_switch
-
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 AFTER_LOGGING = f"{SCHEDULER_MODULE}.configure_scheduler_process"
@@ -38,14 +36,14 @@ def register() -> None:
             logger.warning(invalid_value_message(switch))
             return
         if not switch.enabled:
-            logger.debug("sglang-lora-tma-guard: %s is %s", ENV_VAR, switch.describe())
+            logger.debug("%s is %s", ENV_VAR, switch.describe())
             return
         serving.activate(switch)
         _announce_after_scheduler_logging()
     except Exception:
         # SGLang logs and swallows plugin errors too, under its own name; say plainly whose it is.
         logger.exception(
-            "sglang-lora-tma-guard: activation failed; SGLang runs unguarded. Please report this "
+            "activation failed; SGLang runs unguarded. Please report this "
             "with the output of `python -m sglang_lora_tma_guard.check`."
         )
 
@@ -54,10 +52,10 @@ def announce(result=None, *args, **kwargs):
     """One line saying what the guard does in this process (an AFTER hook: returns ``result``)."""
     state = guard.status()
     if state.installed or state.strategy is not None:
-        logger.info("sglang-lora-tma-guard: active in this process: SGLang %s, strategy %s: %s",
+        logger.info("active in this process: SGLang %s, strategy %s: %s",
                     state.sglang_version, state.strategy.name if state.strategy else "", state.reason)
     else:
-        logger.info("sglang-lora-tma-guard: armed in this process (SGLang %s); it installs when SGLang "
+        logger.info("armed in this process (SGLang %s); it installs when SGLang "
                     "imports its fused-MoE module", state.sglang_version)
     return result
 

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from pathlib import Path
 
 from . import defects
 from .catalogue import Deployment, RefusedDeployment
+from .log import logger
 from .patching import LOCK, Patch
-
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 SERVER_ARGS_MODULE = "sglang.srt.server_args"
 LORA_MANAGER_MODULE = "sglang.srt.lora.lora_manager"
@@ -98,7 +96,7 @@ def _write(server_args, changes, late: bool) -> None:
         writer = getattr(server_args, "_late_resolution", None) or getattr(server_args, "override", None)
         if writer is None:
             logger.warning(
-                "sglang-lora-tma-guard: LoRA is enabled but these server arguments were resolved before the "
+                "LoRA is enabled but these server arguments were resolved before the "
                 "plugin loaded, and this SGLang cannot change them now; the schedulers will refuse to start "
                 "where that matters. Pass %s yourself.", ", ".join(_flag(c) for c in changes))
             return
@@ -223,7 +221,7 @@ def _scheduler_step(defect, layers, deployment) -> str | None:
     try:
         return defect.on_lora_modules(layers, deployment)
     except Exception as exc:
-        logger.exception("sglang-lora-tma-guard: its check of %s failed in this scheduler", defect.id)
+        logger.exception("its check of %s failed in this scheduler", defect.id)
         return (f"the guard could not check {defect.id} on this scheduler's LoRA MoE layers ({type(exc).__name__}: "
                 f"{exc}); please report this with the output of `python -m sglang_lora_tma_guard.check`")
 
@@ -273,7 +271,7 @@ def after_adapter_loaded(lora_manager, lora_ref) -> None:
         try:
             reason = defect.on_adapter(lora_manager, adapter, deployment)
         except Exception as exc:
-            logger.exception("sglang-lora-tma-guard: its check of %s failed on adapter %s", defect.id,
+            logger.exception("its check of %s failed on adapter %s", defect.id,
                              lora_ref.lora_name)
             reason = f"the guard could not check {defect.id} on it ({type(exc).__name__}: {exc})"
         if reason:
@@ -334,7 +332,7 @@ def activate(switch) -> None:
         try:
             defect.activate(switch)
         except Exception:
-            logger.exception("sglang-lora-tma-guard: could not arm its fix for %s", defect.id)
+            logger.exception("could not arm its fix for %s", defect.id)
 
 
 def deactivate() -> None:
@@ -344,7 +342,7 @@ def deactivate() -> None:
         try:
             defect.deactivate()
         except Exception:
-            logger.exception("sglang-lora-tma-guard: could not take off its fix for %s", defect.id)
+            logger.exception("could not take off its fix for %s", defect.id)
     disarm()
 
 

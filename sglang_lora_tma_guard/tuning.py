@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -20,9 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .log import logger
 from .lora_moe import StageConfig
-
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 DATA = "lora_moe_tiles.json"
 TILES_ENV = "SGLANG_LORA_TMA_GUARD_TILES"
@@ -50,7 +48,7 @@ def _table(path: str | None) -> dict:
         return json.loads(resources.files(__package__).joinpath(DATA).read_text())
     except (FileNotFoundError, OSError, ValueError) as error:
         if path:
-            logger.warning("sglang-lora-tma-guard: %s=%s could not be read (%s); using the shipped tiles",
+            logger.warning("%s=%s could not be read (%s); using the shipped tiles",
                            TILES_ENV, path, error)
             return _table(None)
         return {}

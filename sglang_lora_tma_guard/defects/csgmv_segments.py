@@ -19,7 +19,7 @@ WHERE = "FusedMoEWithLoRA._get_lora_info"
 READS_BACKEND_SEGMENTS = "seg_indptr=batch_info.seg_indptr"
 
 SWITCH_MESSAGE = (
-    "sglang-lora-tma-guard: LoRA is enabled on an SGLang whose csgmv LoRA backend gives the MoE path "
+    "LoRA is enabled on an SGLang whose csgmv LoRA backend gives the MoE path "
     "segments in adapter order (fixed in 0.5.12), so --lora-backend triton is used instead"
 )
 

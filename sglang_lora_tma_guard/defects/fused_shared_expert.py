@@ -18,8 +18,6 @@ left as it is, with a loud warning in the launcher and in each scheduler.
 
 from __future__ import annotations
 
-import logging
-
 from ..catalogue import (
     Change,
     Defect,
@@ -31,19 +29,18 @@ from ..catalogue import (
     model_settings,
     routed_experts,
 )
-
-logger = logging.getLogger("sglang_lora_tma_guard")
+from ..log import logger
 
 FLAG = "disable_shared_experts_fusion"
 LAYERS = "sglang.srt.lora.layers"
 
 DISABLED_MESSAGE = (
-    "sglang-lora-tma-guard: LoRA is enabled, so shared-experts fusion is turned off "
+    "LoRA is enabled, so shared-experts fusion is turned off "
     "(as --disable-shared-experts-fusion): SGLang's LoRA MoE kernels read another adapter's "
     "weights for a fused shared expert and drop the adapter's own shared-expert LoRA"
 )
 FORCED_MESSAGE = (
-    "sglang-lora-tma-guard: LoRA is enabled with shared-experts fusion forced by {why}: left as asked. "
+    "LoRA is enabled with shared-experts fusion forced by {why}: left as asked. "
     "LoRA ADAPTERS WILL BE WRONG on models whose shared expert SGLang fuses (DeepSeek-V3/R1, GLM-4.5+, "
     "GLM-5): their requests read another adapter's weights for the shared expert. Remove {why} "
     "to serve them correctly."

@@ -16,7 +16,7 @@ FUSED_MOE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 FLAG = "enable_fused_moe_sum_all_reduce"
 
 OFF_MESSAGE = (
-    "sglang-lora-tma-guard: LoRA is enabled, so --enable-fused-moe-sum-all-reduce is turned off: with it "
+    "LoRA is enabled, so --enable-fused-moe-sum-all-reduce is turned off: with it "
     "SGLang's down GEMM writes straight into the output and the down LoRA delta of every expert is dropped"
 )
 

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import logging
 
 from ..catalogue import Defect, Deployment, Presence, Remedy, architecture, parameters, read, unreadable
 from ..inspection import TARGET_MODULE, TARGET_NAME
+from ..log import logger
 from ..patching import Patch
-
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 LAYERS = "sglang.srt.lora.layers"
 TRITON_RUNNER = "sglang.srt.layers.moe.moe_runner.triton"
@@ -149,7 +147,7 @@ class GateUpLayout(Defect):
                 return ("the gate-up layout of this model's LoRA MoE layers could not be corrected "
                         f"({RUNNER_PATCH.status().note or SEQUENCE_PATCH.status().note}); SGLang would serve "
                         "every request wrong")
-        logger.info("sglang-lora-tma-guard: %d LoRA-wrapped MoE layer(s) with a non-interleaved gate-up "
+        logger.info("%d LoRA-wrapped MoE layer(s) with a non-interleaved gate-up "
                     "(gemm1_alpha): the LoRA runner keeps gate_up_interleaved=False and the adapters' gate-up B "
                     "keeps [gate | up]", len(affected))
         return None

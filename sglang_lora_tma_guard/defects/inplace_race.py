@@ -16,11 +16,8 @@ of those layers run out of place as well, as upstream's). The package's own kern
 
 from __future__ import annotations
 
-import logging
-
 from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker, model_settings
-
-logger = logging.getLogger("sglang_lora_tma_guard")
+from ..log import logger
 
 LAYERS = "sglang.srt.lora.layers"
 FIX = "moe_runner_config.inplace = False"
@@ -58,7 +55,7 @@ class InplaceRace(Defect):
             if config.inplace:
                 config.inplace, changed = False, changed + 1
         if changed:
-            logger.info("sglang-lora-tma-guard: %d LoRA-wrapped MoE layer(s) run out of place (as SGLang 0.5.17 "
+            logger.info("%d LoRA-wrapped MoE layer(s) run out of place (as SGLang 0.5.17 "
                         "does): their output no longer overwrites the hidden states the shared expert reads", changed)
         return None
 

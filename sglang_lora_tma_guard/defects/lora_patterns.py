@@ -15,14 +15,12 @@ slots: that adapter is refused at load, with the module named.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 
 from ..adapters import layer_weights, module_of, pattern_value, peft_config
 from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
+from ..log import logger
 from ..patching import Patch
-
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 LORA = "sglang.srt.lora.lora"
 
@@ -66,7 +64,7 @@ def _make(original, engaged):
         if engaged.on:
             changed = apply_patterns(self)
             if changed:
-                logger.info("sglang-lora-tma-guard: LoRA adapter %s: rank_pattern / alpha_pattern applied to %d "
+                logger.info("LoRA adapter %s: rank_pattern / alpha_pattern applied to %d "
                             "module(s) (each its own scaling, smaller ranks padded to r)", getattr(self, "uid", "?"),
                             changed)
         return original(self, *args, **kwargs)

@@ -10,12 +10,9 @@ What the guard does: for an adapter whose expert weights use those names, its ta
 
 from __future__ import annotations
 
-import logging
-
 from ..adapters import EXPERT, names
 from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
-
-logger = logging.getLogger("sglang_lora_tma_guard")
+from ..log import logger
 
 UTILS = "sglang.srt.lora.utils"
 RENAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -45,7 +42,7 @@ class MixtralTargetNames(Defect):
         config.target_modules = renamed
         if isinstance(getattr(config, "hf_config", None), dict):
             config.hf_config["target_modules"] = renamed
-        logger.info("sglang-lora-tma-guard: LoRA adapter %s: target modules %s read as %s", getattr(adapter, "uid", "?"),
+        logger.info("LoRA adapter %s: target modules %s read as %s", getattr(adapter, "uid", "?"),
                     list(targets), renamed)
         return None
 

@@ -11,11 +11,8 @@ to the targets, so the layers are wrapped and the missing side's LoRA buffers st
 
 from __future__ import annotations
 
-import logging
-
 from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
-
-logger = logging.getLogger("sglang_lora_tma_guard")
+from ..log import logger
 
 LORA_MANAGER = "sglang.srt.lora.lora_manager"
 PAIR = ("gate_up_proj", "down_proj")
@@ -55,7 +52,7 @@ class OneSidedExpertTargets(Defect):
             return
         missing = next(side for side in PAIR if side not in targets)
         targets.add(missing) if isinstance(targets, set) else setattr(manager, "target_modules", {*targets, missing})
-        logger.warning("sglang-lora-tma-guard: the LoRA targets have %s but not %s: SGLang would leave every MoE "
+        logger.warning("the LoRA targets have %s but not %s: SGLang would leave every MoE "
                        "layer unwrapped and apply no adapter's expert LoRA; %s is added (its LoRA buffers stay zero "
                        "where an adapter has none)", next(s for s in PAIR if s != missing), missing, missing)
 

@@ -12,13 +12,11 @@ before either use reads it (one line per adapter in the log).
 from __future__ import annotations
 
 import functools
-import logging
 import math
 
 from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
+from ..log import logger
 from ..patching import Patch
-
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 LORA = "sglang.srt.lora.lora"
 
@@ -39,7 +37,7 @@ def _make(original, engaged):
         config = getattr(self.config, "hf_config", None) or {}
         if engaged.on and config.get("use_rslora"):
             sglang, self.scaling = self.scaling, peft_scaling(config)
-            logger.info("sglang-lora-tma-guard: LoRA adapter %s uses rsLoRA: scaling %.4g (lora_alpha / sqrt(r)), "
+            logger.info("LoRA adapter %s uses rsLoRA: scaling %.4g (lora_alpha / sqrt(r)), "
                         "not SGLang's %.4g", getattr(self, "uid", "?"), self.scaling, sglang)
 
     return __init__

@@ -12,12 +12,9 @@ What the guard does: zeroes the slot's MoE buffers before SGLang fills it, every
 from __future__ import annotations
 
 import functools
-import logging
 
 from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
 from ..patching import Patch
-
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 MEM_POOL = "sglang.srt.lora.mem_pool"
 FIX = "elif weights is None:"

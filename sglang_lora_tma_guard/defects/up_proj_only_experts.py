@@ -12,13 +12,11 @@ the up half of a gate-only adapter: the up delta is served, the gate delta is ze
 from __future__ import annotations
 
 import functools
-import logging
 
 from ..adapters import EXPERT, layer_weights
 from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
+from ..log import logger
 from ..patching import Patch
-
-logger = logging.getLogger("sglang_lora_tma_guard")
 
 LORA = "sglang.srt.lora.lora"
 
@@ -45,7 +43,7 @@ def _make(original, engaged):
         if engaged.on:
             added = give_gates(self)
             if added:
-                logger.info("sglang-lora-tma-guard: LoRA adapter %s has expert LoRA on up_proj alone: %d zero gate "
+                logger.info("LoRA adapter %s has expert LoRA on up_proj alone: %d zero gate "
                             "half(s) added so that SGLang stacks it into gate_up_proj", getattr(self, "uid", "?"),
                             added // 2)
         return original(self, *args, **kwargs)
