@@ -125,6 +125,8 @@ class LoRAPathReport:
     virtual_experts_fixed_upstream: bool | None
     """SGLang's own ``--lora-use-virtual-experts`` path is right on gated MoE (0.5.23), read from its code."""
     error: str | None = None
+    bypassed: str | None = None
+    """The server flags given run the MoE LoRA without any hook builder (``lora_path.bypassed_by``)."""
 
 
 @dataclass(frozen=True)
@@ -470,7 +472,7 @@ def _virtual_experts_part(report: Report) -> list[tuple[str, str]]:
     """SGLang's own ``--lora-use-virtual-experts`` path (0.5.11-0.5.22, gated MoE): ``fixed`` with the
     guard on; without it, a warning that does not change the verdict (the flag is off by default)."""
     found = report.guard.lora_moe_path if report.guard else None
-    if found is None or found.builder is None or found.virtual_experts_fixed_upstream:
+    if found is None or found.builder is None or found.virtual_experts_fixed_upstream or found.bypassed:
         return []
     if found.mode is not None:
         return [("fixed", "--lora-use-virtual-experts on a gated MoE is corrected (SGLang's own path computes "
@@ -660,6 +662,8 @@ def _render_guard(guarded: GuardReport | None) -> list[str]:
 def _render_lora_path(found: LoRAPathReport | None) -> list[str]:
     if found is None:
         return []
+    if found.bypassed:
+        return [f"  LoRA MoE hooks    none built for the flags given ({found.bypassed})"]
     if found.builder is None:
         return [f"  LoRA MoE hooks    SGLang's builder not found here ({found.error or 'no build_lora_hooks'})"]
     ve = ("right in this release" if found.virtual_experts_fixed_upstream
@@ -776,6 +780,10 @@ def main(argv=None) -> int:
         args.no_shared_experts_fusion = args.no_shared_experts_fusion or bool(server.disable_shared_experts_fusion)
         args.model_path = args.model_path or server.model_path
     model = _model_config(args.model_path)
+    if server is not None and server_flags is not None and report.guard and report.guard.lora_moe_path:
+        bypassed = lora_path.bypassed_by(server)
+        report = dataclasses.replace(report, guard=dataclasses.replace(
+            report.guard, lora_moe_path=dataclasses.replace(report.guard.lora_moe_path, bypassed=bypassed)))
     report = dataclasses.replace(report, server_flags=tuple(server_flags) if server_flags is not None else None,
                                  defects=defects_report(report.guard, catalogue.Deployment(server, model)))
     if args.adapter:

@@ -260,13 +260,30 @@ def deactivate() -> None:
     PATCH.deactivate()
 
 
+def bypassed_by(server_args) -> str | None:
+    """Why this server's MoE LoRA never reaches ``build_lora_hooks``, or None.
+
+    SGLang 0.5.23's ``--lora-backend triton_v2`` with a ``--moe-runner-backend lora_*`` engine runs the
+    LoRA-wrapped MoE layer itself (``FusedMoEWithLoRA`` replaces its MoE core), so no hook builder is called:
+    neither SGLang's hooks nor this package's are used there.
+    """
+    runner = str(getattr(server_args, "moe_runner_backend", "") or "")
+    if getattr(server_args, "lora_backend", None) == "triton_v2" and runner.startswith("lora"):
+        return f"--lora-backend triton_v2 with --moe-runner-backend {runner}: SGLang's own LoRA MoE engine, no hooks"
+    return None
+
+
 @dataclass(frozen=True)
 class PathStatus:
     mode: str | None
     installed: bool
     virtual_experts_fixed_upstream: bool | None
+    bypassed: str | None = None
+    """This server's MoE LoRA does not go through any hook builder (:func:`bypassed_by`)."""
 
     def describe(self) -> str:
+        if self.bypassed:
+            return f"no LoRA MoE hooks are built here ({self.bypassed})"
         if self.mode is None:
             return "SGLang's own LoRA MoE hooks"
         if self.mode == Mode.FAST:
@@ -277,8 +294,11 @@ class PathStatus:
 
 
 def status() -> PathStatus:
+    from .serving import server_args_here
+
+    bypassed = bypassed_by(server_args_here())
     with LOCK:
         patch = PATCH.status()
         mode = _state.mode.value if _state.mode is not None else None
-        return PathStatus(mode=mode, installed=patch.working,
+        return PathStatus(mode=mode, installed=patch.working and not bypassed, bypassed=bypassed,
                           virtual_experts_fixed_upstream=virtual_experts_fixed_upstream() if patch.imported else None)

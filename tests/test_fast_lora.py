@@ -298,3 +298,15 @@ def test_switch_and_check_say_which_lora_moe_hooks_a_server_builds(runners, valu
     found = check.lora_path_report(switch)
     # SGLang 0.5.16's own virtual-experts path has no per-half A (fixed upstream in 0.5.23).
     assert (found.mode, found.builder, found.virtual_experts_fixed_upstream) == (mode, lora_path.TARGET, False)
+
+
+def test_status_does_not_claim_the_fast_path_where_sglangs_own_lora_moe_engine_runs(monkeypatch):
+    """0.5.23's --lora-backend triton_v2 with a lora_* MoE runner never calls build_lora_hooks."""
+    from sglang_lora_tma_guard import serving
+
+    engine = SimpleNamespace(lora_backend="triton_v2", moe_runner_backend="lora_triton")
+    assert "SGLang's own LoRA MoE engine" in lora_path.bypassed_by(engine)
+    assert lora_path.bypassed_by(SimpleNamespace(lora_backend="triton_v2", moe_runner_backend="auto")) is None
+    monkeypatch.setattr(serving, "server_args_here", lambda: engine)
+    state = lora_path.status()
+    assert state.installed is False and state.bypassed and "no LoRA MoE hooks are built" in state.describe()
