@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The package as users get it: build the wheel, install it (not editable) into a fresh virtual
+# The package as users get it: build the wheel, list what it ships (the package and its data, nothing of
+# the tests' harness or the benchmarks), install it (not editable) into a fresh virtual
 # environment, and check there that SGLang's plugin group resolves `lora_tma_guard` to a callable and
 # that `python -m sglang_lora_tma_guard.check --json` runs and exits with the code its verdict names
 # (1, exposed: SGLang 0.5.16 without the switch; 0, protected: with it).
@@ -11,6 +12,15 @@ source "$root/scripts/setup.sh"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 "$PY" -m pip wheel -q --no-deps -w "$work/dist" "$root" 2> "$work/build.log" || { cat "$work/build.log" >&2; exit 1; }
+"$PY" - "$work"/dist/sglang_lora_tma_guard-*.whl <<'PY'
+import sys, zipfile
+names = sorted(n for n in zipfile.ZipFile(sys.argv[1]).namelist() if not n.endswith("/"))
+package = [n for n in names if n.startswith("sglang_lora_tma_guard/")]
+print(f"wheel: {len(package)} files of the package: " + " ".join(n.split("/", 1)[1] for n in package))
+assert "sglang_lora_tma_guard/py.typed" in names and "sglang_lora_tma_guard/lora_moe_tiles.json" in names
+stray = [n for n in names if not n.startswith(("sglang_lora_tma_guard/", "sglang_lora_tma_guard-"))]
+assert not stray, f"the wheel ships more than the package: {stray}"
+PY
 python3 -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install -q --no-deps --no-index "$work"/dist/sglang_lora_tma_guard-*.whl
 site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import enum
 import inspect
-import re
 import textwrap
 from dataclasses import dataclass
 from importlib import metadata
@@ -28,8 +27,10 @@ HOOK_ATTRIBUTES = ("after_gate_up", "after_down")
 # fused-MoE sequence, and the first that turns TMA off by itself when hooks are set.
 FIRST_WITH_HOOKS = (0, 5, 11)
 FIRST_FIXED = (0, 5, 17)
-# The newest release this guard was checked against; later ones get a note, not a refusal.
-NEWEST_CHECKED = (0, 5, 23)
+SUPPORTED_SGLANG = ">=0.5.11,<0.5.24"
+"""The SGLang releases this package is checked against, every one of them (``scripts/version_matrix.py``);
+``setup.cfg``'s ``sglang`` extra says the same (a test keeps the two equal). A release outside it gets a
+note, not a refusal: every fix is decided from the installed code."""
 
 
 class Strategy(str, enum.Enum):
@@ -235,21 +236,28 @@ def sglang_version() -> str | None:
 
 
 def release_tuple(version: str | None) -> tuple[int, int, int] | None:
-    """``"0.5.16.post1"`` -> ``(0, 5, 16)``; None when the string does not start with X.Y.Z."""
-    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version or "")
-    return tuple(int(part) for part in match.groups()) if match else None
+    """``"0.5.16.post1"`` -> ``(0, 5, 16)`` (``packaging``'s reading); None for a string that is no version."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version or "").release
+    except InvalidVersion:
+        return None
+    return (tuple(release) + (0, 0))[:3]
 
 
 def version_note(version: str | None) -> str | None:
     """A sentence for versions outside the range this guard was checked against, else None."""
-    release = release_tuple(version)
-    if release is None:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version or "")
+    except InvalidVersion:
         return f"SGLang version {version!r} is not a release number; the strategy comes from the code alone"
-    if release > NEWEST_CHECKED:
-        return (
-            f"SGLang {version} is newer than the newest release checked "
-            f"({'.'.join(map(str, NEWEST_CHECKED))}); the strategy comes from the code alone"
-        )
+    if not SpecifierSet(SUPPORTED_SGLANG).contains(Version(parsed.base_version), prereleases=True):
+        return (f"SGLang {version} is outside the releases checked ({SUPPORTED_SGLANG}); every fix is decided from "
+                "the code alone")
     return None
 
 

@@ -128,3 +128,19 @@ def test_the_launcher_turns_off_the_fused_sum_all_reduce_for_lora_and_says_so(la
     assert record.enable_fused_moe_sum_all_reduce is False and untouched.enable_fused_moe_sum_all_reduce is True
     assert sum("--enable-fused-moe-sum-all-reduce is turned off" in m for m in caplog.messages) == 1
     assert record.lora_backend != "triton" or untouched.lora_backend == "triton"  # csgmv is right on 0.5.16
+
+
+def test_one_supported_range_for_setup_cfg_the_inspection_and_the_version_matrix():
+    import configparser
+
+    from packaging.specifiers import SpecifierSet
+
+    from sglang_lora_tma_guard.inspection import SUPPORTED_SGLANG
+
+    sys.path.insert(0, str(README.parent / "scripts"))
+    import version_matrix
+
+    setup = configparser.ConfigParser()
+    setup.read(README.parent / "setup.cfg")
+    assert setup["options.extras_require"]["sglang"].split() == [f"sglang{SUPPORTED_SGLANG}"]
+    assert all(SpecifierSet(SUPPORTED_SGLANG).contains(v) for v in version_matrix.FUSION_VERSIONS)

@@ -151,5 +151,5 @@ def test_version_number_alone(version, affected):
 
 def test_versions_outside_the_checked_range_get_a_note():
     assert version_note("0.5.16") is None
-    assert "newer than the newest release checked" in version_note("0.6.0")
+    assert "outside the releases checked (>=0.5.11,<0.5.24)" in version_note("0.6.0")
     assert "not a release number" in version_note("main")
