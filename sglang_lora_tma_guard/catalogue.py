@@ -144,6 +144,8 @@ class Defect:
     does: str
     """What the guard does, one line (the README table, ``check``)."""
     upstream: str | None = None
+    refused_at: str = "start"
+    """Where a refusal happens: ``start`` (the launcher or a scheduler) or ``load`` (the adapter's load)."""
 
     @property
     def releases(self) -> str:

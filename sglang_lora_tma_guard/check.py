@@ -725,7 +725,7 @@ def _render_defects(report: Report) -> list[str]:
         met = {True: "met here", False: "not met here", None: "may be met"}[found.affects] if found.present is not False else ""
         state = STATE_WORDS[found.state]
         if found.state == "fixed" and found.remedy is catalogue.Remedy.REFUSE:
-            state = "refused at start if met"
+            state = f"refused at {defects.BY_ID[found.id].refused_at} if met"
         lines.append(f"  {found.id:<{width}}  {found.releases:<13} {here:<19} {met:<12} {state}")
         if found.state == "refused":
             lines.append(f"  {'':<{width}}  -> {found.refusal}")

@@ -23,6 +23,7 @@ class PeftTargetParameters(Defect):
     first, last = "0.5.11", "0.5.23"
     exposed = "adapters peft wrote with target_parameters on fused expert tensors"
     remedy = Remedy.REFUSE
+    refused_at = "load"
     does = "such an adapter is refused at load (the server keeps serving the others)"
     upstream = "https://github.com/sgl-project/sglang/pull/27381 (closed, not merged)"
 

@@ -23,6 +23,7 @@ class SharedOuterRuntime(Defect):
     first, last = "0.5.11", "0.5.23"
     exposed = "/load_lora_adapter of a shared-outer adapter into a per-expert pool, or the other way"
     remedy = Remedy.REFUSE
+    refused_at = "load"
     does = "such an adapter is refused at load, naming both layouts (the server keeps serving the others)"
 
     def present(self) -> Presence:
