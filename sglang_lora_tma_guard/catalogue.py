@@ -186,6 +186,11 @@ class Defect:
         """What SGLang, without the guard, does wrong with this adapter (``check --adapter``); None: nothing."""
         return None
 
+    @property
+    def judged_by_adapter(self) -> bool:
+        """Met or not is read from an adapter's own files (:meth:`diagnose`), never from the server's arguments."""
+        return type(self).diagnose is not Defect.diagnose
+
     def on_lora_modules(self, layers: list, deployment: Deployment) -> str | None:
         """Each scheduler, once SGLang wrapped its MoE layers for LoRA (``layers``: ``(layer_id, name,
         module)``): fix them, or say why it must not serve. By default: the refusal, if any."""

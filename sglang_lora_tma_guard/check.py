@@ -415,22 +415,36 @@ OWN_PARTS = ("tma-down-path", "fused-shared-expert", "virtual-experts-up-half")
 
 def _catalogue_parts(report: Report) -> list[tuple[str, str]]:
     """Every other entry of the catalogue that this SGLang has and this deployment may meet."""
-    parts, covered = [], []
+    parts, covered, by_adapter = [], [], []
+    adapter_read = report.adapter is not None and not report.adapter.error
     for found in report.defects:
         if found.id in OWN_PARTS or found.state == "ok":
             continue
         if found.state == "fixed":
             covered.append(found.id if found.remedy is catalogue.Remedy.FIX else f"{found.id} (refused if met)")
             continue
+        if found.state == "unknown" and defects.BY_ID[found.id].judged_by_adapter:
+            if not adapter_read:  # with an adapter read, its own parts say which of these it meets
+                by_adapter.append(found.id)
+            continue
+        hint = ("it depends on the adapters loaded" if found.id in ADAPTER_IDS
+                else "give --model-path and the server flags after --")
         text = {"refused": f"the guard will not start this server: {found.refusal}",
                 "exposed": f"{found.title} (SGLang {found.releases}); the guard is not on",
-                "unknown": f"{found.title} (SGLang {found.releases}) if this deployment meets it; the guard is not "
-                           "on (give --model-path and the server flags after --)"}[found.state]
+                "unknown": f"{found.title} (SGLang {found.releases}) if this deployment meets it ({hint}); the "
+                           "guard is not on"}[found.state]
         parts.append((found.state, text))
+    if by_adapter:
+        parts.append(("unknown", f"{len(by_adapter)} defect(s) are met by some adapters only "
+                                 f"({', '.join(by_adapter)}) and the guard is not on: check each adapter with "
+                                 "--adapter PATH, or switch the guard on (it fixes or refuses them at load)"))
     if covered:
         parts.append(("fixed", f"the guard also covers {len(covered)} more defect(s) this deployment may meet "
                                "(see Defects)"))
     return parts
+
+
+ADAPTER_IDS = frozenset(module.DEFECT.id for module in defects.ADAPTERS)
 
 
 def defects_report(guarded: GuardReport | None, deployment: catalogue.Deployment) -> tuple[DefectReport, ...]:

@@ -31,17 +31,25 @@ import torch
 import triton
 import triton.language as tl
 
+ROUTE_BLOCK = 1024
+"""Pairs (or keys, or rows) one routing program handles per step."""
+
 # --------------------------------------------------------------------------------------------------
 # Routing: pairs grouped by virtual expert (adapter * experts + expert), blocks of BLOCK_M rows.
 
 
 @triton.jit
 def _count_kernel(
-    topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,  # inputs
-    counts_ptr, keys_ptr, slots_ptr,  # outputs: pairs per key; each pair's key (-1: no delta) and slot
+    # Pointers. In: topk_ids (pairs,), token_lora (tokens,), enabled (slots,), ranks (slots,).
+    topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+    # Out: counts (keys,) pairs per key; keys (pairs,) each pair's key, -1: no delta; slots (pairs,) its place.
+    counts_ptr, keys_ptr, slots_ptr,
+    # Sizes.
     num_pairs, num_loras, num_experts,
+    # Meta-parameters.
     TOPK: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """Each pair's virtual expert and its place among that expert's pairs (an atomic count)."""
     _count_step(tl.program_id(0) * BLOCK, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, counts_ptr, keys_ptr,
                 slots_ptr, num_pairs, num_loras, num_experts, TOPK, BLOCK)
 
@@ -55,7 +63,7 @@ def _count_step(start, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, cou
     adapter = tl.load(token_lora_ptr + offs // TOPK, mask=in_range, other=-1).to(tl.int32)
     known = in_range & (adapter >= 0) & (adapter < num_loras)
     adapter = tl.where(known, adapter, 0)
-    enabled = tl.load(enabled_ptr + adapter, mask=known, other=0) != 0
+    enabled = tl.load(enabled_ptr + adapter, mask=known, other=0) != 0  # adapter clamped to 0 where unknown
     rank = tl.load(ranks_ptr + adapter, mask=known, other=0)
     wanted = known & enabled & (rank > 0) & (expert >= 0) & (expert < num_experts)
     key = tl.where(wanted, adapter * num_experts + expert, 0)
@@ -66,8 +74,12 @@ def _count_step(start, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, cou
 
 @triton.jit
 def _offsets_kernel(
+    # Pointers. In: counts (keys,). Out: offsets (keys,) each key's first row; total (1,) rows in use;
+    # sorted (rows,) every row marked empty.
     counts_ptr, offsets_ptr, total_ptr, sorted_ptr,
+    # Sizes.
     num_keys, num_rows, num_pairs,
+    # Meta-parameters.
     BLOCK_M: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_FILL: tl.constexpr,
 ):
     """One program: each key's first row (counts padded to BLOCK_M), the rows in use, and every row
@@ -94,11 +106,16 @@ def _offsets_steps(counts_ptr, offsets_ptr, total_ptr, sorted_ptr, num_keys, num
 
 @triton.jit
 def _scatter_kernel(
-    keys_ptr, slots_ptr, offsets_ptr,  # inputs
-    sorted_ptr, block_key_ptr,  # outputs: pair of each row; key of each block
+    # Pointers. In: keys, slots (pairs,), offsets (keys,). Out: sorted (rows,) the pair of each row;
+    # block_key (rows / BLOCK_M,) the key of each block.
+    keys_ptr, slots_ptr, offsets_ptr,
+    sorted_ptr, block_key_ptr,
+    # Sizes.
     num_pairs,
+    # Meta-parameters.
     BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """Each pair into its row (its key's first row plus its place); each block's key."""
     _scatter_step(tl.program_id(0) * BLOCK, keys_ptr, slots_ptr, offsets_ptr, sorted_ptr, block_key_ptr, num_pairs,
                   BLOCK_M, BLOCK)
 
@@ -117,9 +134,12 @@ def _scatter_step(start, keys_ptr, slots_ptr, offsets_ptr, sorted_ptr, block_key
 
 @triton.jit
 def _route_one_program_kernel(
+    # Pointers: the inputs of _count_kernel, then every buffer of the three steps.
     topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
     counts_ptr, keys_ptr, slots_ptr, offsets_ptr, total_ptr, sorted_ptr, block_key_ptr,
+    # Sizes.
     num_pairs, num_loras, num_experts, num_keys, num_rows,
+    # Meta-parameters.
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """The three routing steps in one program, for small batches (one launch instead of four); the
@@ -169,8 +189,15 @@ def max_rows(num_pairs: int, num_keys: int, block_m: int) -> int:
 
 def route(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: torch.Tensor,
           lora_ranks: torch.Tensor, num_experts: int, block_m: int) -> Routing:
-    """Group the batch's pairs by virtual expert (see the module docstring for who gets no delta)."""
+    """Group the batch's pairs by virtual expert (see the module docstring for who gets no delta).
+
+    ``topk_ids``: (tokens, topk) int32 or int64; ``token_lora``: (tokens,) int32 slot of each token (-1:
+    none); ``adapter_enabled``, ``lora_ranks``: (slots,) int32. All on one device.
+    """
     tokens, topk = topk_ids.shape
+    assert topk_ids.dim() == 2 and token_lora.shape == (tokens,), (topk_ids.shape, token_lora.shape)
+    for name, t in (("token_lora", token_lora), ("adapter_enabled", adapter_enabled), ("lora_ranks", lora_ranks)):
+        assert t.dtype == torch.int32 and t.is_contiguous() and t.device == topk_ids.device, (name, t.dtype, t.device)
     num_pairs, num_loras = tokens * topk, lora_ranks.numel()
     num_keys = num_loras * num_experts
     rows = max_rows(num_pairs, num_keys, block_m)
@@ -182,15 +209,15 @@ def route(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: tor
     if num_pairs <= ONE_PROGRAM_PAIRS:
         _route_one_program_kernel[(1,)](topk_ids, token_lora, adapter_enabled, lora_ranks, counts, keys, slots, offsets,
                                         rows_used, sorted_ids, block_key, num_pairs, num_loras, num_experts, num_keys,
-                                        rows, TOPK=topk, BLOCK_M=block_m, BLOCK=1024)
+                                        rows, TOPK=topk, BLOCK_M=block_m, BLOCK=ROUTE_BLOCK)
         return Routing(sorted_ids, block_key, rows_used, block_m, num_pairs, num_experts)
     counts.zero_()
-    grid = (max(1, triton.cdiv(num_pairs, 1024)),)
+    grid = (max(1, triton.cdiv(num_pairs, ROUTE_BLOCK)),)
     _count_kernel[grid](topk_ids, token_lora, adapter_enabled, lora_ranks, counts, keys, slots,
-                        num_pairs, num_loras, num_experts, TOPK=topk, BLOCK=1024)
+                        num_pairs, num_loras, num_experts, TOPK=topk, BLOCK=ROUTE_BLOCK)
     _offsets_kernel[(1,)](counts, offsets, rows_used, sorted_ids, num_keys, rows, num_pairs,
-                          BLOCK_M=block_m, BLOCK_KEYS=1024, BLOCK_FILL=1024)
-    _scatter_kernel[grid](keys, slots, offsets, sorted_ids, block_key, num_pairs, BLOCK_M=block_m, BLOCK=1024)
+                          BLOCK_M=block_m, BLOCK_KEYS=ROUTE_BLOCK, BLOCK_FILL=ROUTE_BLOCK)
+    _scatter_kernel[grid](keys, slots, offsets, sorted_ids, block_key, num_pairs, BLOCK_M=block_m, BLOCK=ROUTE_BLOCK)
     return Routing(sorted_ids, block_key, rows_used, block_m, num_pairs, num_experts)
 
 
@@ -200,25 +227,33 @@ def route(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: tor
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, t_ptr,  # x: (rows of x, K); A: (slots, experts or 1, halves * max_rank, K); t: (pairs, halves * max_rank) fp32
+    # Pointers: x (rows of x, K); A (slots, experts or 1, halves * max_rank, K); t (pairs, halves * max_rank)
+    # float32, out; the routing's sorted (rows,), block_key (blocks,), rows_used (1,); ranks (slots,).
+    x_ptr, a_ptr, t_ptr,
     sorted_ptr, block_key_ptr, rows_used_ptr, ranks_ptr,
+    # Sizes.
     num_pairs, K, num_experts, max_rank,
+    # Strides.
     stride_xm, stride_xk, stride_al, stride_ae, stride_ar, stride_ak, stride_tm,
+    # Meta-parameters.
     PAIRS_PER_X: tl.constexpr,  # topk when x holds one row per token (gate-up), 1 for one per pair (down)
     GATED: tl.constexpr,  # both halves (gate ranks, up ranks) from one read of x
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """``t[pair, half * max_rank + r] = sum_k x[pair's row, k] * A[adapter, expert, half * max_rank + r, k]``
+    for the ranks r below the adapter's own; grid (blocks, rank tiles, split-K)."""
     pid_m, pid_r, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
+    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):  # one int32
         return
-    key = tl.load(block_key_ptr + pid_m)
+    key = tl.load(block_key_ptr + pid_m)  # pid_m < blocks: the grid is the routing's block count
     adapter, expert = key // num_experts, key % num_experts
-    rank = tl.load(ranks_ptr + adapter)
+    rank = tl.load(ranks_ptr + adapter)  # adapter < slots: a block's key comes from a known slot
     r0 = pid_r * BLOCK_R
     if r0 >= rank:
         return  # past this adapter's true rank: nothing to compute
 
+    # The routing allocates whole blocks of rows: every row of this block exists (empty ones: num_pairs).
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pair_ok = pairs < num_pairs
     offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -256,24 +291,33 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    t_ptr, b_ptr, out_ptr, weights_ptr,  # B: (slots, experts or 1, halves * half_width, max_rank); out: (tokens, topk, N)
+    # Pointers: t (pairs, halves * max_rank) float32; B (slots, experts or 1, halves * half_width, max_rank);
+    # out (tokens, topk, halves * half_width), added into; weights (pairs,) routed weights (or unused);
+    # the routing's sorted (rows,), block_key (blocks,), rows_used (1,); ranks (slots,).
+    t_ptr, b_ptr, out_ptr, weights_ptr,
     sorted_ptr, block_key_ptr, rows_used_ptr, ranks_ptr,
+    # Sizes.
     num_pairs, half_width, num_experts, max_rank,
+    # Strides.
     stride_tm, stride_bl, stride_be, stride_bn, stride_br, stride_ot, stride_ok, stride_on,
+    # Meta-parameters.
     TOPK: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
+    """``out[pair, half * half_width + n] += sum_r t[pair, half * max_rank + r] * B[adapter, expert, half *
+    half_width + n, r]`` (times the routed weight where asked); grid (blocks, halves * column tiles)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
+    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):  # one int32
         return
-    key = tl.load(block_key_ptr + pid_m)
+    key = tl.load(block_key_ptr + pid_m)  # pid_m < blocks: the grid is the routing's block count
     adapter, expert = key // num_experts, key % num_experts
-    rank = tl.load(ranks_ptr + adapter)
+    rank = tl.load(ranks_ptr + adapter)  # adapter < slots: a block's key comes from a known slot
     tiles = tl.cdiv(half_width, BLOCK_N)
     half = pid_n // tiles  # gate (0) or up (1) half of a gated gate-up; always 0 otherwise
     offs_n = half * half_width + (pid_n % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < (half + 1) * half_width
 
+    # The routing allocates whole blocks of rows: every row of this block exists (empty ones: num_pairs).
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pair_ok = pairs < num_pairs
     offs_r = tl.arange(0, BLOCK_R)

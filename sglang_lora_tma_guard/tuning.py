@@ -24,7 +24,8 @@ from .lora_moe import StageConfig
 
 DATA = "lora_moe_tiles.json"
 TILES_ENV = "SGLANG_LORA_TMA_GUARD_TILES"
-PROGRAMS_TO_FILL = 264  # two programs per SM of an H100/H200 (132 SMs)
+PROGRAMS_PER_SM = 2
+"""A split-K shrink aims at this many programs per SM of the GPU (read from the device)."""
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,22 @@ def rule_block_m(num_pairs: int, num_keys: int) -> int:
     return 16 if per_key <= 16 else 32 if per_key <= 32 else 64
 
 
+@functools.cache
+def programs_to_fill() -> int:
+    """Programs that keep every SM of this GPU busy (132 SMs on an H100/H200: 264); 264 without a GPU."""
+    if not torch.cuda.is_available():
+        return PROGRAMS_PER_SM * 132
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
 def rule_of_thumb(num_pairs: int, num_keys: int, k: int, max_rank: int) -> StageConfig:
+    fill = programs_to_fill()
     block_r = 16 if num_pairs <= 1024 else 32
     rank_tiles = -(-max_rank // block_r)  # a gated shrink computes both halves' tiles in one program
     blocks = max(1, min(num_pairs, num_keys))
     block_k = 128 if k >= 512 else 64
     split_k = 1
-    if blocks * rank_tiles < PROGRAMS_TO_FILL:
-        split_k = max(1, min(k // (4 * block_k), PROGRAMS_TO_FILL // (blocks * rank_tiles)))
+    if blocks * rank_tiles < fill:
+        split_k = max(1, min(k // (4 * block_k), fill // (blocks * rank_tiles)))
     return StageConfig(shrink_block_r=block_r, shrink_block_k=block_k, split_k=split_k,
                        expand_block_n=64, expand_block_r=min(32, block_r))

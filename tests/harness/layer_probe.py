@@ -125,7 +125,7 @@ def _raised(exc: BaseException) -> dict:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}sglang{os.sep}" in f.filename]
     at = frames[-1] if frames else traceback.extract_tb(exc.__traceback__)[-1]
     where = at.filename.split(f"{os.sep}sglang{os.sep}", 1)[-1]
-    return {"raised": type(exc).__name__, "message": str(exc)[:120], "at": f"{where}:{at.lineno}"}
+    return {"raised": type(exc).__name__, "message": str(exc)[:400], "at": f"{where}:{at.lineno}"}
 
 
 def _forward_error(cpu, manager, moe, written, scale, rank: int) -> float:
