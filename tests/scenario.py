@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import packaging
 import wrapt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +61,9 @@ def run_check(*args, tree: Path | None = None, env: dict | None = None, no_site:
         full_env["PYTHONPATH"] = str(tree)
     command = [sys.executable, "-m", "sglang_lora_tma_guard.check", *args]
     if no_site is not None:
-        # A Python that sees this package and wrapt, and no site-packages: no SGLang, no torch.
-        (no_site / "wrapt").symlink_to(Path(wrapt.__file__).parent)
+        # A Python that sees this package and its dependencies, and no site-packages: no SGLang, no torch.
+        for dependency in (wrapt, packaging):
+            (no_site / dependency.__name__).symlink_to(Path(dependency.__file__).parent)
         (no_site / "sglang_lora_tma_guard").symlink_to(REPO / "sglang_lora_tma_guard")
         command = [sys.executable, "-S", "-c",
                    f"import sys; sys.path.insert(0, {str(no_site)!r}); "
