@@ -25,7 +25,7 @@ adapter) read their one matrix for every expert (expert stride 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -198,6 +198,15 @@ def route(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: tor
     assert topk_ids.dim() == 2 and token_lora.shape == (tokens,), (topk_ids.shape, token_lora.shape)
     for name, t in (("token_lora", token_lora), ("adapter_enabled", adapter_enabled), ("lora_ranks", lora_ranks)):
         assert t.dtype == torch.int32 and t.is_contiguous() and t.device == topk_ids.device, (name, t.dtype, t.device)
+    if torch.compiler.is_compiling():
+        sorted_ids, block_key, rows_used = torch.ops.lora_tma_guard.route(topk_ids, token_lora, adapter_enabled,
+                                                                           lora_ranks, num_experts, block_m)
+        return Routing(sorted_ids, block_key, rows_used, block_m, tokens * topk, num_experts)
+    return _route(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts, block_m)
+
+
+def _route(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts: int, block_m: int) -> Routing:
+    tokens, topk = topk_ids.shape
     num_pairs, num_loras = tokens * topk, lora_ranks.numel()
     num_keys = num_loras * num_experts
     rows = max_rows(num_pairs, num_keys, block_m)
@@ -357,6 +366,9 @@ class StageConfig:
     expand_stages: int = 2
 
 
+_STAGE_FIELDS = tuple(f.name for f in fields(StageConfig))
+
+
 def _expert_stride(w: torch.Tensor) -> int:
     """Shared-outer weights hold one matrix per adapter for every expert: stride 0 reads it for each."""
     return 0 if w.shape[1] == 1 else w.stride(1)
@@ -382,6 +394,11 @@ def add_delta(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     if num_pairs == 0 or max_rank == 0:
         return
     config = config or StageConfig()
+    if torch.compiler.is_compiling():
+        torch.ops.lora_tma_guard.add_delta(out, x, lora_a, lora_b, routing.sorted_ids, routing.block_key,
+                                           routing.rows_used, lora_ranks, topk_weights, max_rank, halves,
+                                           routing.block_m, routing.num_experts, [getattr(config, f) for f in _STAGE_FIELDS])
+        return
     t = shrink(x, lora_a, routing, lora_ranks, topk=topk, max_rank=max_rank, halves=halves, config=config)
     expand(out, t, lora_b, routing, lora_ranks, max_rank=max_rank, halves=halves, topk_weights=topk_weights,
            config=config)
@@ -422,3 +439,40 @@ def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Ro
         BLOCK_M=routing.block_m, BLOCK_N=c.expand_block_n, BLOCK_R=c.expand_block_r,
         num_warps=c.expand_warps, num_stages=c.expand_stages,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Under torch.compile both entry points are custom ops, opaque to Dynamo (which would otherwise trace
+# into the Triton launches, and cannot through the CPU interpreter); eager callers skip the dispatch.
+
+
+@torch.library.custom_op("lora_tma_guard::route", mutates_args=())
+def _route_op(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: torch.Tensor,
+              lora_ranks: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    routing = _route(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts, block_m)
+    # A custom op's outputs may not alias each other: the routing's three are views of one buffer.
+    return routing.sorted_ids.clone(), routing.block_key.clone(), routing.rows_used.clone()
+
+
+@_route_op.register_fake
+def _(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts, block_m):
+    rows = max_rows(topk_ids.numel(), lora_ranks.numel() * num_experts, block_m)
+    return (topk_ids.new_empty(rows, dtype=torch.int32), topk_ids.new_empty(rows // block_m, dtype=torch.int32),
+            topk_ids.new_empty(1, dtype=torch.int32))
+
+
+@torch.library.custom_op("lora_tma_guard::add_delta", mutates_args=("out",))
+def _add_delta_op(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                  sorted_ids: torch.Tensor, block_key: torch.Tensor, rows_used: torch.Tensor,
+                  lora_ranks: torch.Tensor, topk_weights: torch.Tensor | None, max_rank: int, halves: int,
+                  block_m: int, num_experts: int, config: list[int]) -> None:
+    routing = Routing(sorted_ids, block_key, rows_used, block_m, out.shape[0] * out.shape[1], num_experts)
+    add_delta(out, x, lora_a, lora_b, routing, lora_ranks, max_rank=max_rank, halves=halves,
+              topk_weights=topk_weights, config=StageConfig(*config))
+
+
+@_add_delta_op.register_fake
+def _(out, x, lora_a, lora_b, sorted_ids, block_key, rows_used, lora_ranks, topk_weights, max_rank, halves,
+      block_m, num_experts, config):
+    return None

@@ -23,13 +23,15 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def quantize_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E, R, C) float -> fp8 weight and (E, R/128, C/128) float32 scales, one per 128x128 block."""
+    """(E, R, C) float -> fp8 weight and (E, ceil(R/128), ceil(C/128)) float32 scales, one per 128x128 block
+    (the last block of a width that is no multiple of 128 is partial, as in SGLang's block-fp8 checkpoints)."""
     experts, rows, cols = weight.shape
     br, bc = FP8_BLOCK
-    blocks = weight.float().view(experts, rows // br, br, cols // bc, bc)
+    padded = torch.nn.functional.pad(weight.float(), (0, -cols % bc, 0, -rows % br))
+    blocks = padded.view(experts, padded.shape[1] // br, br, padded.shape[2] // bc, bc)
     scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-6) / FP8_MAX
-    quantized = (blocks / scale[:, :, None, :, None]).view(experts, rows, cols)
-    return quantized.to(torch.float8_e4m3fn), scale
+    quantized = (blocks / scale[:, :, None, :, None]).view(padded.shape)[:, :rows, :cols]
+    return quantized.contiguous().to(torch.float8_e4m3fn), scale
 
 
 def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):

@@ -68,6 +68,7 @@ def _stage(values: dict) -> StageConfig:
     return StageConfig(**{key: value for key, value in values.items() if key in names})
 
 
+@torch.compiler.assume_constant_result  # a function of the shapes: Dynamo runs it once per shape, no tracing
 def plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: int, max_rank: int) -> Plan:
     """The tiling for a batch of ``num_pairs`` (tokens x topk) on this GPU."""
     buckets = _table(os.environ.get(TILES_ENV) or None).get(_gpu(), {}).get(

@@ -44,6 +44,8 @@ class Case:
     token to it: no adapter has a delta for it (SGLang's default path reads another slot there)."""
     filtered: bool = False
     """Some routes are -1 (filtered out, as under expert parallelism)."""
+    hidden: int = 128
+    intermediate: int = 128
 
 
 CASES = {
@@ -55,6 +57,8 @@ CASES = {
     "shared-outer": Case(shared_outer=True),
     "fused-shared-expert-route": Case(shared_expert_route=True),
     "filtered-routes": Case(filtered=True),
+    # No width a multiple of any tile (BLOCK_K 64/128, BLOCK_N 32/64): every kernel's last tile is partial.
+    "odd-widths": Case(hidden=200, intermediate=72),
 }
 DEFAULT_RUN = {"mixed-ranks-top2"}  # the rest in the full run (CI)
 
@@ -63,13 +67,13 @@ def case_params():
     return [pytest.param(name, marks=() if name in DEFAULT_RUN else pytest.mark.slow) for name in CASES]
 
 
-EXPERTS, TOKENS, WIDTH = 8, 10, 128
+EXPERTS, TOKENS = 8, 10
 
 
 def make_case(name: str, seed: int = 0):
     case = CASES[name]
-    problem = tiny_moe.make_problem(num_tokens=TOKENS, num_experts=EXPERTS, topk=case.topk, hidden=WIDTH,
-                                    intermediate=WIDTH, seed=seed)
+    problem = tiny_moe.make_problem(num_tokens=TOKENS, num_experts=EXPERTS, topk=case.topk, hidden=case.hidden,
+                                    intermediate=case.intermediate, seed=seed)
     ids = problem.topk_ids.clone()
     if case.shared_expert_route:
         ids[:, -1] = EXPERTS - 1
@@ -85,10 +89,11 @@ def make_case(name: str, seed: int = 0):
 def run_hooks(hooks, problem, info):
     """Both hooks on fixed random caches; their deltas (gate-up, down)."""
     tokens, topk = problem.topk_ids.shape
+    hidden, intermediate = problem.w2.shape[1], problem.w2.shape[2]
     gen = torch.Generator().manual_seed(5)
     c1 = torch.randn(tokens, topk, info.gate_up_lora_b_weights.shape[2], generator=gen).half()
-    act = torch.randn(tokens * topk, WIDTH, generator=gen).half()
-    c3 = torch.randn(tokens, topk, WIDTH, generator=gen).half()
+    act = torch.randn(tokens * topk, intermediate, generator=gen).half()
+    c3 = torch.randn(tokens, topk, hidden, generator=gen).half()
     before = c1.float(), c3.float()
     hooks.after_gate_up(problem.hidden_states, c1, problem.topk_weights, problem.topk_ids)
     hooks.after_down(act, c3, problem.topk_weights, problem.topk_ids)
@@ -265,25 +270,40 @@ def test_token_adapters_from_segments_where_sglang_gives_no_map(runners):
     assert torch.equal(lora_path.token_adapters(older, TOKENS), info.token_lora_mapping)
 
 
-def test_dynamo_traces_the_fast_builder(runners, monkeypatch):
-    """A compiled caller runs the fast builder (a plain function on the module, not a wrapt proxy)."""
+def test_dynamo_compiles_the_fast_hooks_in_one_graph(runners, monkeypatch):
+    """A caller compiled with ``fullgraph=True`` builds and runs the fast hooks (the builder a plain
+    function on the module, the routing and both GEMMs custom ops) and adds what an eager caller adds."""
     import torch._dynamo
 
     problem, info = make_case("mixed-ranks-top2")
-    calls = []
-    monkeypatch.setattr(lora_path, "build_hooks", lambda original, *args: calls.append(args) or original(*args))
+    calls, fast_builder = [], lora_path.build_hooks
+    monkeypatch.setattr(lora_path, "build_hooks", lambda *args: calls.append(args) or fast_builder(*args))
+    tokens, topk = problem.topk_ids.shape
+    gen = torch.Generator().manual_seed(5)
+    c1 = torch.randn(tokens, topk, info.gate_up_lora_b_weights.shape[2], generator=gen).half()
+    act = torch.randn(tokens * topk, problem.w2.shape[2], generator=gen).half()
+    c3 = torch.randn(tokens, topk, problem.w2.shape[1], generator=gen).half()
+
+    def caller(hidden, c1, act, c3, weights, ids):
+        hooks = runners.build_lora_hooks(hidden, info, ids)
+        hooks.after_gate_up(hidden, c1, weights, ids)
+        hooks.after_down(act, c3, weights, ids)
+        return c1, c3
+
+    args = (problem.hidden_states, problem.topk_weights, problem.topk_ids)
     try:
         lora_path.activate(lora_path.Mode.FAST)
         torch._dynamo.reset()
-
-        def caller(x):
-            return runners.build_lora_hooks(x, info, problem.topk_ids) is not None
-
-        torch.compile(caller, backend="eager")(problem.hidden_states)
-        assert calls, "the compiled caller stepped around the fast builder"
+        eager = caller(args[0], c1.clone(), act, c3.clone(), *args[1:])
+        compiled = torch.compile(caller, backend="eager", fullgraph=True)(args[0], c1.clone(), act, c3.clone(),
+                                                                          *args[1:])
+        assert len(calls) == 2, "the compiled caller stepped around the fast builder"
     finally:
         lora_path.deactivate()
         torch._dynamo.reset()
+    assert not torch.equal(eager[0], c1) and not torch.equal(eager[1], c3), "the hooks added nothing"
+    for ours, theirs in zip(compiled, eager):
+        assert torch.equal(ours, theirs)  # the same kernels on the same inputs: bit-identical
 
 
 @pytest.mark.parametrize("value, mode", [("fast", "fast"), pytest.param("1", "correct", marks=pytest.mark.slow),

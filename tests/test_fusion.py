@@ -173,9 +173,14 @@ def test_a_scheduler_refuses_a_lora_wrapped_moe_layer_with_a_fused_shared_expert
 
 @pytest.mark.real
 def test_a_scheduler_starts_when_the_shared_expert_is_not_fused_or_the_check_is_off(scheduler_check):
-    manager_over(scheduler_check, fused_shared=0).init_lora_modules()
+    """Started means SGLang wrapped every MoE layer for LoRA and nothing was refused."""
+    unfused = manager_over(scheduler_check, fused_shared=0)
+    unfused.init_lora_modules()
     serving.disarm()
-    manager_over(scheduler_check, fused_shared=1).init_lora_modules()  # the original method, unwrapped
+    fused = manager_over(scheduler_check, fused_shared=1)
+    fused.init_lora_modules()  # the original method, unwrapped: SGLang wraps the fused layers as ever
+    for manager in (unfused, fused):
+        assert [type(m).__name__ for m in scheduler_check.wrapped(manager)] == ["FusedMoEWithLoRA"] * 2
 
 
 @pytest.mark.real
