@@ -1,19 +1,15 @@
 """One MoE layer's LoRA batch as SGLang builds it, for the LoRA MoE benchmarks (GPU).
 
 4 adapters in 4 slots (ranks 8/16/32/64 padded to 64, or all 16), the batch split evenly among them
-and the base model (``tests/harness/real_lora.py``), SGLang's CUDA-graph LoRA buffers sized as its
+and the base model (``harness/real_lora.py``), SGLang's CUDA-graph LoRA buffers sized as its
 backend sizes them, and the weight bytes a batch's LoRA deltas must read at least.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import real_lora  # noqa: E402
+from harness import real_lora
 
 RANK_SETS = {"mixed": (8, 16, 32, 64), "r16": (16, 16, 16, 16)}
 HBM_BYTES_PER_S = 4.3e12  # what an H200 streams in practice (FACTS.md section 3)
@@ -22,9 +18,8 @@ HBM_BYTES_PER_S = 4.3e12  # what an H200 streams in practice (FACTS.md section 3
 def batches(shape_names, token_counts):
     """(shape name, shape, rank set, tokens, MoE weights) for every batch the LoRA MoE scripts run: each
     shape with the mixed ranks, the GLM-5.1 shape also with all ranks 16; the weights made once a shape."""
-    from _bench import SHAPES
-
-    from sglang_lora_tma_guard import tiny_moe
+    from benchmarks._bench import SHAPES
+    from harness import tiny_moe
 
     for name in shape_names:
         shape = SHAPES[name]

@@ -1,10 +1,10 @@
 """Three defects of the catalogue on a GPU, with SGLang's own LoRA-wrapped MoE layer and its CUDA path.
 
-    python benchmarks/defects_h200.py [--out DIR]          (a CUDA GPU; SGLang from the server kit)
+    python -m benchmarks.defects_h200 [--out DIR]          (a CUDA GPU; SGLang from the server kit)
 
 One ``FusedMoE`` of SGLang's own (16 experts, top-4, hidden 1024, intermediate 512, bf16), wrapped for
 LoRA by SGLang's own ``FusedMoEWithLoRA`` (two adapters and base-model tokens in the batch), its own
-forward, scored against the float32 PyTorch reference of ``tests/harness/sglang_cpu.py``:
+forward, scored against the float32 PyTorch reference of ``harness/sglang_cpu.py``:
 
 - ``fused-sum-all-reduce``: with ``--enable-fused-moe-sum-all-reduce`` the down GEMM writes straight
   into the output and the down LoRA delta goes into a buffer nobody reads. Shown by comparing the
@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 EXPERTS, HIDDEN, INTERMEDIATE = 16, 1024, 512
 OWNERS = [0] * 8 + [1] * 8 + [-1] * 8
@@ -74,6 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "results"), type=Path)
     args = parser.parse_args(argv)
     import sglang
+
     from harness import sglang_cpu as cpu
 
     cpu.scheduler(device="cuda")

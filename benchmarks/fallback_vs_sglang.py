@@ -1,6 +1,6 @@
 """The route-major fallback against SGLang's own hooked non-TMA path, on a Hopper GPU.
 
-    python benchmarks/fallback_vs_sglang.py [--tokens 1 8 32 64 256 1024 4096 8192] [--out results]
+    python -m benchmarks.fallback_vs_sglang [--tokens 1 8 32 64 256 1024 4096 8192] [--out results]
 
 GLM-5.1-FP8 at TP8 (E=257, N=256 per shard, hidden 6144, top-8, block fp8 [128,128], bf16
 activations), LoRA-style hooks on both buffers. Both sides get SGLang's tuned config for the batch
@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import torch
-from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir
 
-from sglang_lora_tma_guard import fallback, tiny_moe
+from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir
+from harness import tiny_moe
+from harness.reference import reference_moe
+from harness.tiny_moe import rel_err
+from sglang_lora_tma_guard import fallback
 from sglang_lora_tma_guard.inspection import sglang_version
-from sglang_lora_tma_guard.tiny_moe import rel_err
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from reference import reference_moe  # noqa: E402  (the PyTorch reference lives with the tests)
 
 TOKENS = [1, 8, 32, 64, 256, 1024, 4096, 8192]
 

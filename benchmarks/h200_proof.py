@@ -1,6 +1,6 @@
 """The bug and the guard on a Hopper GPU, with the installed SGLang's own kernels and tuned configs.
 
-    python benchmarks/h200_proof.py [--shapes glm51-fp8-tp8 e80-n640 e513-n512]
+    python -m benchmarks.h200_proof [--shapes glm51-fp8-tp8 e80-n640 e513-n512]
                                     [--tokens 1 8 64 256 1024 4096 8192] [--out results]
 
 For each shape (experts E, intermediate size per shard N, hidden K, top-k; block-fp8 [128,128]
@@ -26,10 +26,10 @@ import sys
 import time
 
 import torch
-from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir
 
 import sglang_lora_tma_guard as guard
-from sglang_lora_tma_guard import tiny_moe
+from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir
+from harness import tiny_moe
 from sglang_lora_tma_guard.inspection import sglang_version
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]

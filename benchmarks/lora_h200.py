@@ -1,7 +1,7 @@
 """Hooked MoE calls on a Hopper GPU: TMA off (today's fix) against TMA for the weights, with
 LoRA-style hooks and with SGLang's own LoRA hooks, eager and under CUDA-graph replay.
 
-    python benchmarks/lora_h200.py [--shapes glm51-fp8-tp8 e80-n640 e513-n512]
+    python -m benchmarks.lora_h200 [--shapes glm51-fp8-tp8 e80-n640 e513-n512]
                                    [--tokens 1 8 64 256 1024 4096 8192] [--hooks style sglang] [--out results]
 
 Per shape and batch size (SGLang's own tuned configs, which say USE_TMA for these three H200 shapes):
@@ -26,18 +26,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
-from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
-from _lora_setup import cg_buffers
 
 import sglang_lora_tma_guard as guard
-from sglang_lora_tma_guard import tiny_moe
+from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
+from benchmarks._lora_setup import cg_buffers
+from harness import real_lora, tiny_moe
 from sglang_lora_tma_guard.inspection import sglang_version
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import real_lora  # noqa: E402  (SGLang's LoRA hooks on a tiny problem, tests/harness)
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 RANKS = (8, 16, 32, 64)

@@ -1,6 +1,6 @@
 """The fast LoRA MoE path against SGLang's default LoRA MoE path, on a Hopper GPU.
 
-    python benchmarks/lora_moe_h200.py [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--out results]
+    python -m benchmarks.lora_moe_h200 [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--out results]
 
 Per shape (``_bench.SHAPES``), rank set (4 adapters of ranks 8/16/32/64 padded to 64; all 16 on the
 GLM-5.1 shape) and batch size, the ``benchmarks/lora_h200.py`` setup: SGLang's ``LoRAInfo`` with its
@@ -27,16 +27,14 @@ import sys
 import time
 
 import torch
-from _bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
-from _lora_setup import HBM_BYTES_PER_S, RANK_SETS, batches, floor_bytes, lora_info
 
 import sglang_lora_tma_guard as guard
-from sglang_lora_tma_guard import lora_path, tiny_moe
+from benchmarks._bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
+from benchmarks._lora_setup import HBM_BYTES_PER_S, RANK_SETS, batches, floor_bytes, lora_info
+from harness import real_lora, tiny_moe
+from harness.reference import ReferenceLoRAHooks
+from sglang_lora_tma_guard import lora_path
 from sglang_lora_tma_guard.inspection import sglang_version
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
-from harness import real_lora  # noqa: E402
-from reference import ReferenceLoRAHooks  # noqa: E402
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 SAMPLE = 32

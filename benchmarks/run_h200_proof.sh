@@ -4,6 +4,6 @@
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-python3 benchmarks/h200_proof.py --out "${OUT:-results}" "$@"
-python3 benchmarks/wrapper_overhead.py
-python3 benchmarks/fallback_vs_sglang.py --out "${OUT:-results}"
+python3 -m benchmarks.h200_proof --out "${OUT:-results}" "$@"
+python3 -m benchmarks.wrapper_overhead
+python3 -m benchmarks.fallback_vs_sglang --out "${OUT:-results}"

@@ -7,6 +7,6 @@ set -u
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 1; }
 export OUT=${OUT:-results}; mkdir -p "$OUT"
 case "${1:-kernels}" in
-  kernels) CUDA_VISIBLE_DEVICES=0 timeout 560 python3 benchmarks/lora_h200.py --out "$OUT" "${@:2}" ;;
+  kernels) CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m benchmarks.lora_h200 --out "$OUT" "${@:2}" ;;
   tp1|tp2|load) timeout 570 bash benchmarks/e2e/run_servers.sh "$1" ;;
 esac

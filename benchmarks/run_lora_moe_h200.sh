@@ -8,9 +8,9 @@ source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 1; }
 export OUT=${OUT:-results}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 if [ "$what" = tune ] || [ "$what" = all ]; then
-  timeout ${TUNE_S:-300} python3 benchmarks/tune_lora_moe.py --out "$OUT" "$@"
+  timeout ${TUNE_S:-300} python3 -m benchmarks.tune_lora_moe --out "$OUT" "$@"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   [ -f "$OUT/lora_moe_tiles.json" ] && export SGLANG_LORA_TMA_GUARD_TILES="$OUT/lora_moe_tiles.json"
-  timeout ${BENCH_S:-280} python3 benchmarks/lora_moe_h200.py --out "$OUT" "$@"
+  timeout ${BENCH_S:-280} python3 -m benchmarks.lora_moe_h200 --out "$OUT" "$@"
 fi

@@ -1,6 +1,6 @@
 """Which tile settings suit the fallback's kernels, per batch size, on the GLM-5.1-FP8 TP8 shape.
 
-    python benchmarks/tune_fallback.py [--tokens 1 8 32 64 256 1024 4096 8192]
+    python -m benchmarks.tune_fallback [--tokens 1 8 32 64 256 1024 4096 8192]
 
 For each batch size, starts from SGLang's tuned configs (what the fallback uses) and varies the
 pipeline depth, warps and N tile of one GEMM at a time, timing the whole hooked fallback call as a
@@ -15,9 +15,10 @@ import json
 import sys
 
 import torch
-from _bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms
 
-from sglang_lora_tma_guard import fallback, tiny_moe
+from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms
+from harness import tiny_moe
+from sglang_lora_tma_guard import fallback
 
 TOKENS = [1, 8, 32, 64, 256, 1024, 4096, 8192]
 

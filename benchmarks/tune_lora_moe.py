@@ -1,6 +1,6 @@
 """Tune the fast LoRA MoE path's tiles on this GPU: rows per block, and each hook's shrink and expand tiles.
 
-    python benchmarks/tune_lora_moe.py [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--out results]
+    python -m benchmarks.tune_lora_moe [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--out results]
 
 Per shape (``_bench.SHAPES``), rank set (4 adapters of ranks 8/16/32/64, and all 16 on the GLM-5.1
 shape) and batch size: for each candidate rows-per-block, the routing, then each hook's shrink tiles
@@ -18,10 +18,11 @@ import time
 from dataclasses import asdict, replace
 
 import torch
-from _bench import benchmark_parser, capture, prepare_sglang, replay_times, results_dir
-from _lora_setup import RANK_SETS, batches, lora_info
 
-from sglang_lora_tma_guard import lora_moe, tiny_moe, tuning
+from benchmarks._bench import benchmark_parser, capture, prepare_sglang, replay_times, results_dir
+from benchmarks._lora_setup import RANK_SETS, batches, lora_info
+from harness import tiny_moe
+from sglang_lora_tma_guard import lora_moe, tuning
 from sglang_lora_tma_guard.lora_path import token_adapters
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]

@@ -1,6 +1,6 @@
 """Host-side cost of the guard per call, against the unwrapped call with SGLang's real argument list.
 
-    python benchmarks/wrapper_overhead.py [--calls 200000] [--repeats 7]
+    python -m benchmarks.wrapper_overhead [--calls 200000] [--repeats 7]
 
 The function under both is a stand-in compiled with the installed SGLang's exact signature of
 ``_fused_moe_kernel_sequence`` (binding its 11 positional and 26 keyword arguments is part of
@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import sys
 import timeit
 import warnings
 from dataclasses import replace
 from types import SimpleNamespace
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from sglang_lora_tma_guard.guard import make_guarded  # noqa: E402
 from sglang_lora_tma_guard.inspection import TARGET_NAME, Strategy, inspect_target  # noqa: E402
@@ -28,7 +25,7 @@ from sglang_lora_tma_guard.inspection import TARGET_NAME, Strategy, inspect_targ
 def real_signature():
     """The installed SGLang's signature, or None when SGLang cannot be imported here."""
     try:
-        from _bench import portable_helper_ops
+        from benchmarks._bench import portable_helper_ops
 
         portable_helper_ops()
         with warnings.catch_warnings():

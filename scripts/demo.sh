@@ -6,4 +6,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup.sh"
 "$PY" -m sglang_lora_tma_guard.demo "$@"
-exec "$PY" "$root/scripts/demo_defects.py"
+cd "$root"
+exec "$PY" -m scripts.demo_defects

@@ -1,12 +1,12 @@
 """Each defect of the catalogue that a CPU can show, on the installed SGLang's own code: unguarded, guarded.
 
-    python scripts/demo_defects.py        (scripts/demo.sh runs it after the TMA demo)
+    python -m scripts.demo_defects       (scripts/demo.sh runs it after the TMA demo)
 
 One row per defect: what SGLang does without the guard, and with it (``serving.arm()``: the launcher's
 step on SGLang's own ``ServerArgs``, and each scheduler's step after SGLang's own
 ``LoRAManager.init_lora_modules``). Layers are SGLang's own ``FusedMoE`` wrapped by its own
 ``FusedMoEWithLoRA``, run on the CPU through Triton's interpreter against a float32 PyTorch reference
-(``tests/harness/sglang_cpu.py``). What only a GPU can show (the race itself, the fused sum-all-reduce's
+(``harness/sglang_cpu.py``). What only a GPU can show (the race itself, the fused sum-all-reduce's
 dropped down delta) is in ``benchmarks/inplace_race`` and ``benchmarks/defects_h200.py``; what only
 another release has (csgmv on 0.5.11), in ``scripts/version_matrix.py``. Exit 0 when every row shows
 the defect unguarded and its fix or refusal guarded.
@@ -23,7 +23,6 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "scripts")]
 
 RIGHT, WRONG = 5e-3, 0.1
 MOE_CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 16,
@@ -121,6 +120,7 @@ def main() -> int:
 
     logging.disable(logging.WARNING)  # the guard's launcher lines are the point of other demos
     import sglang
+
     from harness import sglang_cpu
 
     sglang_cpu.scheduler(lora_backend="triton")

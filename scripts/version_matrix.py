@@ -1,6 +1,6 @@
 """The guard on every SGLang release it claims, each from its own PyPI wheel.
 
-    python scripts/version_matrix.py [--versions 0.5.11 ...] [--fusion-versions 0.5.11 ...] [--json FILE]
+    python -m scripts.version_matrix [--versions 0.5.11 ...] [--fusion-versions 0.5.11 ...] [--json FILE]
 
 Each release is installed with ``--no-deps`` into its own folder under the cache
 (``$LORA_TMA_GUARD_CACHE``, default ``~/.cache/sglang-lora-tma-guard``; kept between runs) and put
@@ -14,7 +14,7 @@ The rest of the import chain is the one of this environment (requirements/sglang
 Then the catalogue: which release has which defect (read from its files), and one table per defect:
 what the guard does with the release's own ``ServerArgs`` (``release_probe.py``), the defect shown on
 its own code (``defect_probes.py``), and SGLang's own MoE layers wrapped by its own LoRA manager, run
-on the CPU against a float32 reference, unguarded and guarded (``tests/harness/layer_probe.py``).
+on the CPU against a float32 reference, unguarded and guarded (``harness/layer_probe.py``).
 Prints Markdown tables.
 """
 
@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from sglang_lora_tma_guard.tiny_moe import WEIGHT_TMA_LAUNCH  # noqa: E402
 
 AFFECTED = ["0.5.11", "0.5.12.post1", "0.5.13.post1", "0.5.14", "0.5.15.post1", "0.5.16"]
@@ -191,7 +190,7 @@ LAYER_CASES = {"inplace-race": "inplace", "gate-up-layout": "gate_up_layout",
 LAYER_CASES.update({name: name.replace("-", "_") for name in (
     "stale-expert-slot", "rslora-scaling", "lora-patterns", "up-proj-only-experts", "peft-target-parameters",
     "one-sided-expert-targets", "shared-outer-at-runtime", "mixtral-target-names")})
-"""The cases of tests/harness/layer_probe.py, by defect."""
+"""The cases of harness/layer_probe.py, by defect."""
 
 
 def _layer(layers: dict, version: str, case: str | None) -> dict:
@@ -302,9 +301,8 @@ def catalogue_markdown(results: list[dict], layers: dict) -> str:
 
 
 def probe_layers(version: str) -> dict:
-    """SGLang's own MoE layers on one release, each case unguarded and guarded (tests/harness/layer_probe.py)."""
+    """SGLang's own MoE layers on one release, each case unguarded and guarded (harness/layer_probe.py)."""
     env = release_env(version, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO / "tests")])
     proc = subprocess.run([sys.executable, "-m", "harness.layer_probe"], env=env, capture_output=True, text=True,
                           timeout=900, cwd=REPO)
     try:

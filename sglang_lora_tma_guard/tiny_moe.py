@@ -1,9 +1,9 @@
-"""A tiny block-fp8 MoE layer, run through the installed SGLang's own ``_fused_moe_kernel_sequence``.
-
-Used by the demo, the tests and the benchmarks to show the bug and the fix on SGLang's real
-kernels: on a GPU natively, on a CPU through Triton's interpreter (``TRITON_INTERPRET=1`` must be
-set before Triton is first imported). The LoRA-style hooks add a per-expert low-rank delta to each
-route's row, in place, the way SGLang's LoRA MoE hooks do.
+"""A tiny block-fp8 MoE layer, run through the installed SGLang's own ``_fused_moe_kernel_sequence``:
+what ``check --selftest`` and the demo need to show the TMA bug and its fix on SGLang's real kernels,
+on a GPU natively, on a CPU through Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
+Triton is first imported). The tests and benchmarks use it through ``harness.tiny_moe``, which adds
+what only they call. The LoRA-style hooks add a per-expert low-rank delta to each route's row, in
+place, the way SGLang's LoRA MoE hooks do.
 """
 
 from __future__ import annotations
@@ -93,14 +93,6 @@ class MoEProblem:
     def alignment(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Computed once, before any CUDA-graph capture (it copies from the host)."""
         return align_block_size(self.topk_ids, self.config["BLOCK_SIZE_M"], self.num_experts)
-
-    def reroute(self, topk_ids: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None) -> None:
-        """Give the problem new routes (in place); the alignment of the old ones is dropped."""
-        if topk_ids is not None:
-            self.topk_ids = topk_ids
-        if topk_weights is not None:
-            self.topk_weights = topk_weights
-        self.__dict__.pop("alignment", None)
 
 
 def small_config(block_m: int = 16) -> dict:
@@ -202,11 +194,8 @@ def lora_hooks(problem: MoEProblem, gate_up: bool = True, down: bool = True):
 
 
 LAUNCH_FLAGS = ("a_use_tma", "b_use_tma", "c_sorted")
-NO_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": False, "c_sorted": False}
 WEIGHT_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": True, "c_sorted": False}
 """Each GEMM launch of a hooked call under strategy weight_tma: activations route-major."""
-FULL_TMA_LAUNCHES = [{"a_use_tma": False, "b_use_tma": False, "c_sorted": True},   # gate-up
-                     {"a_use_tma": True, "b_use_tma": True, "c_sorted": False}]   # down
 
 
 @contextlib.contextmanager
@@ -261,20 +250,6 @@ def _call_shape(function) -> tuple[tuple[str, ...], frozenset[str]]:
     params = inspect.signature(function).parameters
     positional = [p.name for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
     return tuple(positional[11:]), frozenset(params)
-
-
-def call_arguments(problem: MoEProblem, hooks, **overrides) -> dict:
-    """A hooked call's arguments bound by name, as the fallback receives them (SGLang 0.5.16 names)."""
-    sorted_ids, expert_ids, post_padded = problem.alignment
-    args = dict(
-        hidden_states=problem.hidden_states.clone(), w1=problem.w1, w2=problem.w2,
-        topk_weights=problem.topk_weights, topk_ids=problem.topk_ids, sorted_token_ids=sorted_ids,
-        expert_ids=expert_ids, num_tokens_post_padded=post_padded, config=dict(problem.config),
-        down_config=dict(problem.down_config), down_moe_use_tma=True, swiglu_limit=None,
-        gate_up_interleaved=True, **sequence_kwargs(problem, hooks),
-    )
-    args.update(overrides)
-    return args
 
 
 def sequence_kwargs(problem: MoEProblem, hooks) -> dict:

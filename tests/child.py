@@ -7,7 +7,7 @@ def scheduler_like(queue, name: str = "") -> None:
     sglang.srt.plugins.load_plugins()
 
     import sglang_lora_tma_guard as guard
-    from sglang_lora_tma_guard import tiny_moe
+    from harness import tiny_moe
 
     problem = tiny_moe.make_problem(num_tokens=4, seed=4)
     hooks = tiny_moe.lora_hooks(problem)

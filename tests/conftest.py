@@ -1,15 +1,10 @@
 import os
-import sys
-from pathlib import Path
 
 # SGLang's Triton kernels run on CPU through Triton's interpreter; the switch must be set before
 # Triton compiles them, that is before anything imports SGLang.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.pop("SGLANG_LORA_TMA_GUARD", None)
 os.environ.pop("SGLANG_PLUGINS", None)
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 
 import pytest  # noqa: E402
 
@@ -29,7 +24,7 @@ def fm():
 @pytest.fixture
 def launches(fm):
     """The TMA arguments of every launch of SGLang's ``invoke_fused_moe_kernel`` in the test."""
-    from sglang_lora_tma_guard import tiny_moe
+    from harness import tiny_moe
 
     with tiny_moe.launch_recorder() as recorded:
         yield recorded

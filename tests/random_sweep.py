@@ -6,7 +6,7 @@ case: the guarded hooked call is bit-identical to SGLang's non-TMA path; a hook-
 the kernels exactly as without the guard; and without the guard a hooked call with TMA differs
 from the non-TMA path exactly when the TMA layout differs from the route-major one.
 
-Run by tests/test_random_cases.py as ``python tests/random_sweep.py --worker I --of N --cases C``:
+Run by tests/test_random_cases.py as ``python -m tests.random_sweep --worker I --of N --cases C``:
 worker I takes cases I, I+N, ...; prints one JSON line with its counts and mismatches.
 """
 
@@ -28,7 +28,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 import sglang_lora_tma_guard as guard  # noqa: E402
-from sglang_lora_tma_guard import installed, tiny_moe  # noqa: E402
+from harness import tiny_moe
+from sglang_lora_tma_guard import installed  # noqa: E402
 
 SEED = 20261130
 HOOKS = ("gate_up", "down", "both", "neither")

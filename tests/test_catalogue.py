@@ -135,10 +135,8 @@ def test_one_supported_range_for_setup_cfg_the_inspection_and_the_version_matrix
 
     from packaging.specifiers import SpecifierSet
 
+    from scripts import version_matrix
     from sglang_lora_tma_guard.inspection import SUPPORTED_SGLANG
-
-    sys.path.insert(0, str(README.parent / "scripts"))
-    import version_matrix
 
     setup = configparser.ConfigParser()
     setup.read(README.parent / "setup.cfg")

@@ -81,7 +81,8 @@ def test_guarded_every_lora_wrapped_moe_layer_runs_out_of_place(cpu):
 
 def test_the_fallback_honours_out_of_place_calls(fm):
     """The package's own route-major kernels (strategy FALLBACK) leave the input alone when asked to."""
-    from sglang_lora_tma_guard import fallback, tiny_moe
+    from harness import tiny_moe
+    from sglang_lora_tma_guard import fallback
 
     problem = tiny_moe.make_problem(num_tokens=5, hidden=128, intermediate=128, seed=3)
     arguments = tiny_moe.call_arguments(problem, tiny_moe.lora_hooks(problem), inplace=False)

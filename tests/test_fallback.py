@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import interpreter_fp8, reference_moe
 
-from sglang_lora_tma_guard import fallback, tiny_moe
+from harness import tiny_moe
+from harness.reference import interpreter_fp8, reference_moe
+from sglang_lora_tma_guard import fallback
 
 pytestmark = pytest.mark.real
 
@@ -47,7 +48,7 @@ def route(problem, experts_used=None, filtered=0.0, seed=0):
     weights, ids = torch.topk(scores.softmax(-1), topk, dim=-1)
     if filtered:
         ids[torch.rand(ids.shape, generator=gen) < filtered] = -1
-    problem.reroute(topk_ids=ids.to(torch.int32), topk_weights=weights.float())
+    tiny_moe.reroute(problem, topk_ids=ids.to(torch.int32), topk_weights=weights.float())
 
 
 CASES = {
@@ -138,7 +139,8 @@ def test_float32_activations_are_refused(fm):
 RENAMED_RUN = """
 import os, sys, torch
 import sglang.srt.plugins as plugins
-from sglang_lora_tma_guard import tiny_moe, status
+from harness import tiny_moe
+from sglang_lora_tma_guard import status
 from sglang_lora_tma_guard.inspection import sglang_version
 if os.environ.get("LOAD_PLUGINS") == "1":
     plugins.load_plugins()

@@ -2,7 +2,7 @@
 
 On SGLang 0.5.16's own ``LoRAInfo`` (laid out as its LoRA manager lays it out), its hook builder and
 its MoE runner, on Triton's CPU interpreter, against the float32 PyTorch reference of the adapters'
-math (``tests/reference.py``); the plugin is loaded by SGLang's ``load_plugins()``.
+math (``harness/reference.py``); the plugin is loaded by SGLang's ``load_plugins()``.
 
 Tolerance. The caches are fp16 and every path adds a float32 delta into them: each result carries
 fp16 roundings of values as large as the largest delta (2**-11 of it each). We ask the fast path for
@@ -20,10 +20,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import real_lora
-from reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
 
-from sglang_lora_tma_guard import lora_moe, lora_path, tiny_moe, tuning
+from harness import real_lora, tiny_moe
+from harness.reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
+from sglang_lora_tma_guard import lora_moe, lora_path, tuning
 
 pytestmark = pytest.mark.real
 
@@ -79,7 +79,7 @@ def make_case(name: str, seed: int = 0):
         ids[:, -1] = EXPERTS - 1
     if case.filtered:
         ids[::3, 0] = -1
-    problem.reroute(ids)
+    tiny_moe.reroute(problem, ids)
     adapters = real_lora.Adapters(ranks=case.ranks, enabled=case.enabled, gated=case.gated,
                                   shared_outer=case.shared_outer,
                                   lora_experts=EXPERTS - 1 if case.shared_expert_route else None)

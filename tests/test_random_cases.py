@@ -16,15 +16,15 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 CASES = int(os.environ.get("LORA_TMA_GUARD_RANDOM_CASES", "48"))
 WORKERS = 2
-SWEEP = Path(__file__).with_name("random_sweep.py")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_random_cases(capsys):
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_LORA_TMA_GUARD", "SGLANG_PLUGINS")}
     env["TRITON_INTERPRET"] = "1"
     workers = [
-        subprocess.Popen([sys.executable, str(SWEEP), "--worker", str(i), "--of", str(WORKERS),
-                          "--cases", str(CASES)], env=env, stdout=subprocess.PIPE,
+        subprocess.Popen([sys.executable, "-m", "tests.random_sweep", "--worker", str(i), "--of", str(WORKERS),
+                          "--cases", str(CASES)], env=env, cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
         for i in range(WORKERS)
     ]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sglang_lora_tma_guard as guard
-from sglang_lora_tma_guard import tiny_moe
+from harness import tiny_moe
 from sglang_lora_tma_guard.inspection import TARGET_NAME
 
 pytestmark = pytest.mark.real

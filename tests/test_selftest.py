@@ -4,7 +4,8 @@ import functools
 
 import pytest
 
-from sglang_lora_tma_guard import guard, selftest, tiny_moe
+from harness import tiny_moe
+from sglang_lora_tma_guard import guard, selftest
 
 pytestmark = pytest.mark.real
 

@@ -5,18 +5,17 @@ of ranks 8, 16 and 4 padded to 16, the third disabled, the batch in segments for
 base model), its ``fused_moe_lora`` Triton kernels, and ``TritonRunnerCore.run``, all from the
 ``sglang==0.5.16`` wheel, on Triton's CPU interpreter. The plugin is loaded by SGLang's
 ``load_plugins()``. The references are SGLang's non-TMA path and, for what SGLang's LoRA should
-compute, the plain PyTorch reference in ``tests/reference.py``.
+compute, the plain PyTorch reference in ``harness/reference.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from harness import real_lora
-from reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
 
 import sglang_lora_tma_guard as guard
-from sglang_lora_tma_guard import tiny_moe
+from harness import real_lora, tiny_moe
+from harness.reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
 
 pytestmark = pytest.mark.real
 

@@ -1,15 +1,11 @@
 """Every release in range, from its own PyPI wheel: strategy, verdict and the real-kernel self-test."""
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import version_matrix  # noqa: E402
-
+from harness.tiny_moe import WEIGHT_TMA_LAUNCH  # noqa: E402
+from scripts import version_matrix
 from sglang_lora_tma_guard.inspection import release_tuple  # noqa: E402
-from sglang_lora_tma_guard.tiny_moe import WEIGHT_TMA_LAUNCH  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import sglang_lora_tma_guard as guard
-from sglang_lora_tma_guard import tiny_moe, weight_tma
+from harness import tiny_moe
+from sglang_lora_tma_guard import weight_tma
 from sglang_lora_tma_guard.inspection import TARGET_NAME, Strategy, inspect_target
 
 WEIGHT_TMA = tiny_moe.WEIGHT_TMA_LAUNCH
@@ -153,7 +154,7 @@ def test_weight_tma_is_bit_identical_to_the_non_tma_path(fm, launches, tokens, e
     if filtered:
         ids = problem.topk_ids.clone()
         ids[::3, 0] = -1  # experts this rank does not own, under expert parallelism
-        problem.reroute(topk_ids=ids)
+        tiny_moe.reroute(problem, topk_ids=ids)
     hooks = tiny_moe.lora_hooks(problem)
     reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=hooks, filter_expert=filtered)
     assert guard.activate().strategy == "weight_tma"

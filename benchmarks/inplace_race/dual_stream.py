@@ -1,6 +1,6 @@
 """The in-place race made deterministic: SGLang's own dual-stream DeepSeek MoE block in a CUDA graph.
 
-    python benchmarks/inplace_race/dual_stream.py [--out DIR] [--sleep-cycles N]      (a CUDA GPU)
+    python -m benchmarks.inplace_race.dual_stream [--out DIR] [--sleep-cycles N]      (a CUDA GPU)
 
 ``DeepseekV2MoE`` of a tiny DeepSeek-V3-class config (16 routed experts + 1 shared, top-4, bf16), its
 experts wrapped for LoRA by SGLang's own ``FusedMoEWithLoRA`` (two adapters and base-model tokens in the
@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
 TOKENS, HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 24, 1024, 512, 16, 4
 OWNERS = [0] * 8 + [1] * 8 + [-1] * 8  # adapter 0, adapter 1, the base model
@@ -55,9 +54,10 @@ def build_block(seed: int, device: str, dtype: torch.dtype):
     """SGLang's DeepseekV2MoE with random weights, its experts wrapped by FusedMoEWithLoRA."""
     from types import SimpleNamespace
 
-    from harness import sglang_cpu
     from sglang.srt.lora.layers import FusedMoEWithLoRA
     from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
+
+    from harness import sglang_cpu
 
     torch.set_default_dtype(dtype)
     with torch.device(device):
@@ -93,7 +93,7 @@ def lora_batch(block, harness, seed: int, device: str, dtype: torch.dtype):
 def cg_buffers(loras: int) -> dict:
     from types import SimpleNamespace
 
-    from _lora_setup import cg_buffers as sized
+    from benchmarks._lora_setup import cg_buffers as sized
 
     return sized(SimpleNamespace(topk_ids=torch.zeros(TOKENS, TOPK, dtype=torch.int32, device="cuda"),
                                  num_experts=EXPERTS), loras)
@@ -158,8 +158,8 @@ def main(argv=None) -> int:
                              "forward against the reference; what the GPU run relies on, without streams")
     args = parser.parse_args(argv)
     import sglang
-    from harness import sglang_cpu
 
+    from harness import sglang_cpu
     from sglang_lora_tma_guard import serving
 
     device, dtype = ("cpu", torch.float16) if args.cpu_check else ("cuda", torch.bfloat16)

@@ -19,9 +19,9 @@ source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 export OUT="${OUT:-results}"
 mkdir -p "$OUT/sglang-0.5.16" "$OUT/sglang-0.5.17"
 here=benchmarks/inplace_race
-python3 "$here/dual_stream.py" --out "$OUT/sglang-0.5.16" 2>&1 | grep -v Warning | tail -12
+python3 -m benchmarks.inplace_race.dual_stream --out "$OUT/sglang-0.5.16" 2>&1 | grep -v Warning | tail -12
 if [ -d "$E2E/sglang-0.5.17/sglang" ]; then  # unpacked by the first call: unpack_0517
-  PYTHONPATH="$E2E/sglang-0.5.17:$PYTHONPATH" python3 "$here/dual_stream.py" --out "$OUT/sglang-0.5.17" 2>&1 \
+  PYTHONPATH="$E2E/sglang-0.5.17:$PYTHONPATH" python3 -m benchmarks.inplace_race.dual_stream --out "$OUT/sglang-0.5.17" 2>&1 \
     | grep -v Warning | tail -12
 fi
 bash benchmarks/shared_expert/run.sh deepseek long

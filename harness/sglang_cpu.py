@@ -148,7 +148,7 @@ def cpu_kernels():
     import importlib
 
     from harness import real_lora
-    from sglang_lora_tma_guard.tiny_moe import align_block_size
+    from harness.tiny_moe import align_block_size
 
     real_lora.enable_cpu_lora_ops()
     fused_moe = importlib.import_module("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe")

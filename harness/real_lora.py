@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.tiny_moe import MoEProblem, align_block_size, sequence_kwargs
 from sglang_lora_tma_guard.installed import ensure_server_args
-from sglang_lora_tma_guard.tiny_moe import MoEProblem, align_block_size, sequence_kwargs
 
 _cpu_library = None  # kept alive: registrations live as long as their Library object
 

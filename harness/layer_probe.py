@@ -1,6 +1,6 @@
 """What the installed SGLang's own MoE layers do with LoRA, with and without the guard: one JSON line.
 
-``python -m harness.layer_probe`` (cwd: the repository, ``PYTHONPATH=<sglang release>:.:tests``,
+``python -m harness.layer_probe`` (cwd: the repository, ``PYTHONPATH=<sglang release>:.``,
 ``TRITON_INTERPRET=1``) builds each case with :mod:`harness.sglang_cpu` (SGLang's ``FusedMoE``, its
 ``init_lora_modules``, its LoRA forward on a CPU) as ``tests/test_defects.py`` does, once unguarded and
 once after ``serving.arm()``, and prints the report as one JSON object, the last line of its output. Each

@@ -1,0 +1,58 @@
+"""The tiny MoE layer of ``check --selftest`` (:mod:`sglang_lora_tma_guard.tiny_moe`, which ships), and
+what only the tests and the benchmarks do with it: new routes for a problem, a hooked call's arguments
+bound by name (as the fallback receives them), and the launch flags of the paths the guard avoids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_lora_tma_guard.tiny_moe import (  # noqa: F401  (re-exported: one module for the harness)
+    FP8_BLOCK,
+    ROW_TOLERANCE,
+    WEIGHT_TMA_LAUNCH,
+    Comparison,
+    MoEProblem,
+    align_block_size,
+    compare,
+    launch_recorder,
+    lora_hooks,
+    make_problem,
+    make_weights,
+    quantize_block_fp8,
+    rel_err,
+    run_sequence,
+    sequence_kwargs,
+    small_config,
+)
+
+NO_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": False, "c_sorted": False}
+FULL_TMA_LAUNCHES = [{"a_use_tma": False, "b_use_tma": False, "c_sorted": True},   # gate-up
+                     {"a_use_tma": True, "b_use_tma": True, "c_sorted": False}]   # down
+"""SGLang's TMA down path of a hooked call (0.5.11-0.5.16): the gate-up output expert-sorted."""
+
+
+def reroute(problem: MoEProblem, topk_ids: torch.Tensor | None = None,
+            topk_weights: torch.Tensor | None = None) -> None:
+    """Give the problem new routes (in place); the alignment of the old ones is dropped."""
+    if topk_ids is not None:
+        problem.topk_ids = topk_ids
+    if topk_weights is not None:
+        problem.topk_weights = topk_weights
+    problem.__dict__.pop("alignment", None)
+
+
+def call_arguments(problem: MoEProblem, hooks, **overrides) -> dict:
+    """A hooked call's arguments bound by name, as the fallback receives them (SGLang 0.5.16 names)."""
+    sorted_ids, expert_ids, post_padded = problem.alignment
+    args = dict(
+        hidden_states=problem.hidden_states.clone(), w1=problem.w1, w2=problem.w2,
+        topk_weights=problem.topk_weights, topk_ids=problem.topk_ids, sorted_token_ids=sorted_ids,
+        expert_ids=expert_ids, num_tokens_post_padded=post_padded, config=dict(problem.config),
+        down_config=dict(problem.down_config), down_moe_use_tma=True, swiglu_limit=None,
+        gate_up_interleaved=True, **sequence_kwargs(problem, hooks),
+    )
+    args.update(overrides)
+    return args
+
+
