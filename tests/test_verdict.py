@@ -116,6 +116,6 @@ def test_both_bugs_are_named_when_both_are_exposed():
     ({"1": True, "2": True, "4": True}, "1-4"),
 ])
 def test_tma_buckets_are_printed_as_the_runs_they_are(buckets, text):
-    from sglang_lora_tma_guard.check import _ranges
+    from sglang_lora_tma_guard.check.verdict import ranges
 
-    assert _ranges(buckets) == text
+    assert ranges(buckets) == text
