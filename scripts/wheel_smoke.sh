@@ -11,7 +11,11 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup.sh"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-"$PY" -m pip wheel -q --no-deps -w "$work/dist" "$root" 2> "$work/build.log" || { cat "$work/build.log" >&2; exit 1; }
+# Built from a copy of what git would ship (tracked and untracked-not-ignored files): a build/ left in the
+# checkout by an older build must not put files of its own into the wheel.
+mkdir "$work/src"
+(cd "$root" && git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$work/src")
+"$PY" -m pip wheel -q --no-deps -w "$work/dist" "$work/src" 2> "$work/build.log" || { cat "$work/build.log" >&2; exit 1; }
 "$PY" - "$work"/dist/sglang_lora_tma_guard-*.whl <<'PY'
 import sys, zipfile
 names = sorted(n for n in zipfile.ZipFile(sys.argv[1]).namelist() if not n.endswith("/"))
