@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from harness import tables
+
 REPO = Path(__file__).resolve().parents[1]
 
 EXPERTS, HIDDEN, INTERMEDIATE = 16, 1024, 512
@@ -100,13 +102,14 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "defects_h200.json").write_text(json.dumps(rows, indent=1))
-    print("\n| case | setting | adapter rows | base rows | vs the reference without the down LoRA |\n|---|---|---|---|---|")
+    print()
+    table = tables.Table(["case", "setting", "adapter rows", "base rows", "vs the reference without the down LoRA"])
     for row in rows:
         setting = (f"flag {'on' if row['flag'] else 'off (the guard)'}" if "flag" in row
                    else ("guard on" if row["guarded"] else "guard off"))
         extra = row.get("rel_error_vs_reference_without_down_lora")
-        print(f"| {row['case']} | {setting} | {row['adapter_rel_error']:.2e} | {row['base_rel_error']:.2e} | "
-              f"{f'{extra:.2e}' if extra is not None else '–'} |")
+        table.add(row["case"], setting, f"{row['adapter_rel_error']:.2e}", f"{row['base_rel_error']:.2e}",
+                  f"{extra:.2e}" if extra is not None else "–")
     return 0
 
 

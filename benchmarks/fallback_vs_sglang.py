@@ -19,7 +19,7 @@ import sys
 import torch
 
 from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir
-from harness import tiny_moe
+from harness import tables, tiny_moe
 from harness.reference import reference_moe
 from harness.tiny_moe import rel_err
 from sglang_lora_tma_guard import fallback
@@ -107,15 +107,13 @@ def markdown(rows, meta) -> str:
         f"{meta['copy_bandwidth_tb_s']:.2f} TB/s; GLM-5.1-FP8 TP8 shape (E=257, N=256, hidden 6144, "
         "top-8, block fp8); hooked calls; ms per call, CUDA-graph replay, best of 5 x 50.",
         "",
-        "| tokens | SGLang hooked, non-TMA | fallback | fallback / SGLang | experts touched | HBM floor | "
-        "fraction of floor | rel. error vs SGLang (eager / graph) |",
-        "|---|---|---|---|---|---|---|---|",
+        tables.markdown(
+            ["tokens", "SGLang hooked, non-TMA", "fallback", "fallback / SGLang", "experts touched", "HBM floor",
+             "fraction of floor", "rel. error vs SGLang (eager / graph)"],
+            ([r["tokens"], f"{r['ms_sglang_hooked_non_tma']:.3f}", f"{r['ms_fallback']:.3f}", f"{r['ratio']:.3f}",
+              r["experts_touched"], f"{r['floor_ms']:.3f}", f"{r['fraction_of_floor']:.0%}",
+              f"{r['rel_err_eager']:.2%} / {r['rel_err_graph']:.2%}"] for r in rows)),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['tokens']} | {r['ms_sglang_hooked_non_tma']:.3f} | {r['ms_fallback']:.3f} | "
-            f"{r['ratio']:.3f} | {r['experts_touched']} | {r['floor_ms']:.3f} | "
-            f"{r['fraction_of_floor']:.0%} | {r['rel_err_eager']:.2%} / {r['rel_err_graph']:.2%} |")
     return "\n".join(lines) + "\n"
 
 

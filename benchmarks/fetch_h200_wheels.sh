@@ -10,7 +10,7 @@ for p in manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2
   platforms+=(--platform "${p}_x86_64")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d "$dest" $(grep -v '^#' "$root/benchmarks/h200_wheels.txt")
+  "${platforms[@]}" -d "$dest" -r "$root/benchmarks/h200_wheels.txt"
 rm -f "$dest"/sglang_lora_tma_guard-*.whl
 python3 -m pip wheel -q --no-deps -w "$dest" "$root"
 echo "fetched $(ls "$dest" | wc -l) wheels into $dest"

@@ -29,7 +29,7 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir
-from harness import tiny_moe
+from harness import tables, tiny_moe
 from sglang_lora_tma_guard.inspection import sglang_version
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
@@ -135,22 +135,19 @@ def markdown(rows, meta) -> str:
         "ms per MoE call as CUDA-graph replay (best of 5 x 50); rows wrong = relative L2 error > 1% "
         "against SGLang's non-TMA hooked path.",
         "",
-        "| shape | tokens | TMA config | rows wrong, unguarded (eager / graph) | guarded vs non-TMA (eager / graph) "
-        "| no hooks, TMA | no hooks, plain | hooked, guarded | hooked, TMA (wrong) | guarded / TMA "
-        "| host µs/call hook-less (off → on) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        same = lambda ok, diff: "bit-identical" if ok else f"max diff {diff:.3g}"  # noqa: E731
-        lines.append(
-            f"| {r['shape']} | {r['tokens']} | {'on' if r['tma_config'] else 'off'} "
-            f"| {r['eager_rows_wrong_unguarded']}/{r['tokens']} / {r['graph_rows_wrong_unguarded']}/{r['tokens']} "
-            f"| {same(r['eager_guarded_identical'], r['eager_guarded_max_abs_diff'])} / "
-            f"{same(r['graph_guarded_identical'], r['graph_guarded_max_abs_diff'])} "
-            f"| {r['ms_nohook_tma']:.3f} | {r['ms_nohook_plain']:.3f} | {r['ms_hooked_guarded']:.3f} "
-            f"| {r['ms_hooked_tma_wrong']:.3f} | {r['guard_cost_ratio']:.3f} "
-            f"| {r['host_us_nohook_unguarded']:.1f} → {r['host_us_nohook_guarded']:.1f} |"
-        )
+    same = lambda ok, diff: "bit-identical" if ok else f"max diff {diff:.3g}"  # noqa: E731
+    lines.append(tables.markdown(
+        ["shape", "tokens", "TMA config", "rows wrong, unguarded (eager / graph)", "guarded vs non-TMA (eager / graph)",
+         "no hooks, TMA", "no hooks, plain", "hooked, guarded", "hooked, TMA (wrong)", "guarded / TMA",
+         "host µs/call hook-less (off → on)"],
+        ([r["shape"], r["tokens"], "on" if r["tma_config"] else "off",
+          f"{r['eager_rows_wrong_unguarded']}/{r['tokens']} / {r['graph_rows_wrong_unguarded']}/{r['tokens']}",
+          f"{same(r['eager_guarded_identical'], r['eager_guarded_max_abs_diff'])} / "
+          f"{same(r['graph_guarded_identical'], r['graph_guarded_max_abs_diff'])}",
+          f"{r['ms_nohook_tma']:.3f}", f"{r['ms_nohook_plain']:.3f}", f"{r['ms_hooked_guarded']:.3f}",
+          f"{r['ms_hooked_tma_wrong']:.3f}", f"{r['guard_cost_ratio']:.3f}",
+          f"{r['host_us_nohook_unguarded']:.1f} → {r['host_us_nohook_guarded']:.1f}"] for r in rows)))
     return "\n".join(lines) + "\n"
 
 

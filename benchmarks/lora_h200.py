@@ -32,7 +32,7 @@ import torch
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
 from benchmarks._lora_setup import cg_buffers
-from harness import real_lora, tiny_moe
+from harness import real_lora, tables, tiny_moe
 from sglang_lora_tma_guard.inspection import sglang_version
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
@@ -106,19 +106,16 @@ def markdown(rows, meta) -> str:
         "MoE call, CUDA-graph replay, best of 5 x 50 (interleaved). off = today's fix (TMA off); weight = TMA for "
         "the weights only; full = unguarded TMA (wrong output). Speed-up = off / weight.",
         "",
-        "| shape | tokens | hooks | TMA off | weight TMA | full TMA (wrong) | no hooks, TMA | speed-up vs off "
-        "| weight / full | weight = non-TMA (eager / graph) | off = non-TMA | rows wrong, full (eager / graph) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     same = {True: "bit-identical", False: "DIFFERENT"}
-    for r in rows:
-        lines.append(
-            f"| {r['shape']} | {r['tokens']} | {r['hooks']} | {r['ms_off']:.3f} | {r['ms_weight']:.3f} "
-            f"| {r['ms_full']:.3f} | {r['ms_nohook']:.3f} | {r['weight_vs_off']:.3f} | {r['weight_vs_full']:.3f} "
-            f"| {same[r['weight_identical_eager']]} / {same[r['weight_identical_graph']]} "
-            f"| {same[r['off_identical_eager'] and r['off_identical_graph']]} "
-            f"| {r['rows_wrong_full_eager']}/{r['tokens']} / {r['rows_wrong_full_graph']}/{r['tokens']} |"
-        )
+    lines.append(tables.markdown(
+        ["shape", "tokens", "hooks", "TMA off", "weight TMA", "full TMA (wrong)", "no hooks, TMA", "speed-up vs off",
+         "weight / full", "weight = non-TMA (eager / graph)", "off = non-TMA", "rows wrong, full (eager / graph)"],
+        ([r["shape"], r["tokens"], r["hooks"], f"{r['ms_off']:.3f}", f"{r['ms_weight']:.3f}", f"{r['ms_full']:.3f}",
+          f"{r['ms_nohook']:.3f}", f"{r['weight_vs_off']:.3f}", f"{r['weight_vs_full']:.3f}",
+          f"{same[r['weight_identical_eager']]} / {same[r['weight_identical_graph']]}",
+          same[r["off_identical_eager"] and r["off_identical_graph"]],
+          f"{r['rows_wrong_full_eager']}/{r['tokens']} / {r['rows_wrong_full_graph']}/{r['tokens']}"] for r in rows)))
     return "\n".join(lines) + "\n"
 
 

@@ -31,7 +31,7 @@ import torch
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
 from benchmarks._lora_setup import HBM_BYTES_PER_S, RANK_SETS, batches, floor_bytes, lora_info
-from harness import real_lora, tiny_moe
+from harness import real_lora, tables, tiny_moe
 from harness.reference import ReferenceLoRAHooks
 from sglang_lora_tma_guard import lora_path
 from sglang_lora_tma_guard.inspection import sglang_version
@@ -135,19 +135,17 @@ def markdown(rows, meta) -> str:
         f"weights the batch touches read once at {HBM_BYTES_PER_S / 1e12:.1f} TB/s (true ranks / padded to the max). "
         "Errors: max |delta - reference| / max |reference|, float32 PyTorch reference, 32 tokens spread over the batch.",
         "",
-        "| shape | ranks | tokens | whole: default | whole: fast | speed-up | no hooks | LoRA: default | LoRA: fast "
-        "| LoRA: VE | LoRA speed-up | floor (true / padded) | fast / floor | err default / fast | fast vs default (output) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        tables.markdown(
+            ["shape", "ranks", "tokens", "whole: default", "whole: fast", "speed-up", "no hooks", "LoRA: default",
+             "LoRA: fast", "LoRA: VE", "LoRA speed-up", "floor (true / padded)", "fast / floor", "err default / fast",
+             "fast vs default (output)"],
+            ([r["shape"], r["ranks"], r["tokens"], f"{r['ms_whole_default']:.3f}", f"{r['ms_whole_fast']:.3f}",
+              f"**{r['speedup_whole']:.2f}x**", f"{r['ms_whole_nohook']:.3f}", f"{r['ms_lora_default']:.3f}",
+              f"{r['ms_lora_fast']:.3f}", f"{r['ms_lora_ve']:.3f}" if "ms_lora_ve" in r else "n/a",
+              f"{r['speedup_lora']:.2f}x", f"{r['floor_ms']:.3f} / {r['floor_padded_ms']:.3f}",
+              f"{r['lora_over_floor']:.2f}", f"{r['err_default']:.1e} / {r['err_fast']:.1e}",
+              f"{r['whole_rel_err_fast_vs_default']:.1e}"] for r in rows)),
     ]
-    for r in rows:
-        ve = f"{r['ms_lora_ve']:.3f}" if "ms_lora_ve" in r else "n/a"
-        lines.append(
-            f"| {r['shape']} | {r['ranks']} | {r['tokens']} | {r['ms_whole_default']:.3f} | {r['ms_whole_fast']:.3f} "
-            f"| **{r['speedup_whole']:.2f}x** | {r['ms_whole_nohook']:.3f} | {r['ms_lora_default']:.3f} "
-            f"| {r['ms_lora_fast']:.3f} | {ve} | {r['speedup_lora']:.2f}x | {r['floor_ms']:.3f} / {r['floor_padded_ms']:.3f} "
-            f"| {r['lora_over_floor']:.2f} | {r['err_default']:.1e} / {r['err_fast']:.1e} "
-            f"| {r['whole_rel_err_fast_vs_default']:.1e} |"
-        )
     return "\n".join(lines) + "\n"
 
 

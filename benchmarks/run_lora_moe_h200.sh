@@ -3,14 +3,14 @@
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
 # default LoRA MoE path with those tiles. Results under ${OUT:-results}/.
 #   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all] [extra arguments for the Python scripts]
-set -u
+set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 1; }
-export OUT=${OUT:-results}; mkdir -p "$OUT"
-what=${1:-all}; shift || true
+export OUT="${OUT:-results}"; mkdir -p "$OUT"
+what="${1:-all}"; shift || true
 if [ "$what" = tune ] || [ "$what" = all ]; then
-  timeout ${TUNE_S:-300} python3 -m benchmarks.tune_lora_moe --out "$OUT" "$@"
+  timeout "${TUNE_S:-300}" python3 -m benchmarks.tune_lora_moe --out "$OUT" "$@"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  [ -f "$OUT/lora_moe_tiles.json" ] && export SGLANG_LORA_TMA_GUARD_TILES="$OUT/lora_moe_tiles.json"
-  timeout ${BENCH_S:-280} python3 -m benchmarks.lora_moe_h200 --out "$OUT" "$@"
+  if [ -f "$OUT/lora_moe_tiles.json" ]; then export SGLANG_LORA_TMA_GUARD_TILES="$OUT/lora_moe_tiles.json"; fi
+  timeout "${BENCH_S:-280}" python3 -m benchmarks.lora_moe_h200 --out "$OUT" "$@"
 fi

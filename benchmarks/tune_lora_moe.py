@@ -21,7 +21,7 @@ import torch
 
 from benchmarks._bench import benchmark_parser, capture, prepare_sglang, replay_times, results_dir
 from benchmarks._lora_setup import RANK_SETS, batches, lora_info
-from harness import tiny_moe
+from harness import tables, tiny_moe
 from sglang_lora_tma_guard import lora_moe, tuning
 from sglang_lora_tma_guard.lora_path import token_adapters
 
@@ -127,19 +127,19 @@ def main(argv=None) -> int:
     out = results_dir(args)
     prepare_sglang()
     gpu = torch.cuda.get_device_name()
-    table: dict = {gpu: {}}
-    lines = ["| shape | ranks | tokens | block_m | gate-up tiles | down tiles | LoRA ms (tuned) |",
-             "|---|---|---|---|---|---|---|"]
+    tiles: dict = {gpu: {}}
+    table = tables.Table(["shape", "ranks", "tokens", "block_m", "gate-up tiles", "down tiles", "LoRA ms (tuned)"],
+                         echo=False)
     for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
         t0 = time.perf_counter()
         key, entry = tune_batch(shape, ranks_name, tokens, weights)
-        table[gpu].setdefault(key, []).append(entry)
-        lines.append(f"| {name} | {ranks_name} | {tokens} | {entry['block_m']} | {_tiles(entry['gate_up'])} "
-                     f"| {_tiles(entry['down'])} | {entry['ms']:.3f} |")
-        print(lines[-1], f"  # {time.perf_counter() - t0:.1f} s", flush=True)
-        (out / "lora_moe_tiles.json").write_text(json.dumps(table, indent=1) + "\n")
-        (out / "tune_lora_moe.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        tiles[gpu].setdefault(key, []).append(entry)
+        line = table.add(name, ranks_name, tokens, entry["block_m"], _tiles(entry["gate_up"]), _tiles(entry["down"]),
+                         f"{entry['ms']:.3f}")
+        print(line, f"  # {time.perf_counter() - t0:.1f} s", flush=True)
+        (out / "lora_moe_tiles.json").write_text(json.dumps(tiles, indent=1) + "\n")
+        (out / "tune_lora_moe.md").write_text(f"{table}\n")
+    print(table)
     return 0
 
 

@@ -18,8 +18,9 @@ import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
-from sglang_lora_tma_guard.guard import make_guarded  # noqa: E402
-from sglang_lora_tma_guard.inspection import TARGET_NAME, Strategy, inspect_target  # noqa: E402
+from harness import tables
+from sglang_lora_tma_guard.guard import make_guarded
+from sglang_lora_tma_guard.inspection import TARGET_NAME, Strategy, inspect_target
 
 
 def real_signature():
@@ -85,13 +86,12 @@ def main(argv=None) -> int:
 
     print(f"{len(positional)} positional + {len(keyword)} keyword arguments, "
           f"{args.calls} calls x {args.repeats} interleaved repeats (best), Python {sys.version.split()[0]}")
-    print("| case | unwrapped ns/call | guarded ns/call | overhead ns | ratio |")
-    print("|---|---|---|---|---|")
+    table = tables.Table(["case", "unwrapped ns/call", "guarded ns/call", "overhead ns", "ratio"])
     for name, (wrapper, hooks, extra) in cases.items():
         # Interleaved, so that a noisy neighbour slows both columns alike.
         runs = [(per_call_ns(original, hooks, extra), per_call_ns(wrapper, hooks, extra)) for _ in range(args.repeats)]
         plain, wrapped = min(r[0] for r in runs), min(r[1] for r in runs)
-        print(f"| {name} | {plain:.0f} | {wrapped:.0f} | {wrapped - plain:.0f} | {wrapped / plain:.2f} |")
+        table.add(name, f"{plain:.0f}", f"{wrapped:.0f}", f"{wrapped - plain:.0f}", f"{wrapped / plain:.2f}")
     return 0
 
 

@@ -6,10 +6,10 @@
 #
 # --dry-run runs the check and prints the command instead of starting it. PYTHON picks the
 # interpreter that runs the check (default python3).
-set -uo pipefail
+set -euo pipefail
 
 dry_run=0
-while [ $# -gt 0 ]; do
+while [ "$#" -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1; shift ;;
     --) shift; break ;;
@@ -17,13 +17,13 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-if [ $# -eq 0 ]; then
+if [ "$#" -eq 0 ]; then
   echo "usage: $0 [--dry-run] -- COMMAND [ARGS...]" >&2
   exit 2
 fi
 
-"${PYTHON:-python3}" -m sglang_lora_tma_guard.check
-status=$?
+status=0
+"${PYTHON:-python3}" -m sglang_lora_tma_guard.check || status=$?
 case "$status" in
   0) ;;
   1) echo "prelaunch: refusing to start: LoRA adapters on MoE layers would produce garbled output here (see above)" >&2

@@ -28,8 +28,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness import tables
+from sglang_lora_tma_guard.tiny_moe import WEIGHT_TMA_LAUNCH
+
 REPO = Path(__file__).resolve().parents[1]
-from sglang_lora_tma_guard.tiny_moe import WEIGHT_TMA_LAUNCH  # noqa: E402
 
 AFFECTED = ["0.5.11", "0.5.12.post1", "0.5.13.post1", "0.5.14", "0.5.15.post1", "0.5.16"]
 FIXED = ["0.5.17", "0.5.20", "0.5.23"]
@@ -98,12 +100,6 @@ def probe_all(versions, jobs: int = 2, probe=probe_release) -> dict:
         return dict(zip(versions, pool.map(probe, versions)))
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    """A Markdown table; a release whose probe failed gets ``error`` in its second column."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
-
-
 def row(report: dict) -> list[str]:
     if "error" in report:
         return [report["version"], "error"] + [""] * 6
@@ -122,7 +118,7 @@ def row(report: dict) -> list[str]:
 
 
 def markdown(reports: list[dict]) -> str:
-    return table(["sglang", "strategy", "native guard", "rows wrong without the guard", "with the guard",
+    return tables.markdown(["sglang", "strategy", "native guard", "rows wrong without the guard", "with the guard",
                   "TMA weights", "hook-less calls", "self-test"], [row(r) for r in reports])
 
 
@@ -138,7 +134,7 @@ def fusion_row(result: dict) -> list[str]:
 
 
 def fusion_markdown(results: list[dict]) -> str:
-    return table(["sglang", "hook on", "LoRA server (--lora-paths / --enable-lora), as a scheduler receives it",
+    return tables.markdown(["sglang", "hook on", "LoRA server (--lora-paths / --enable-lora), as a scheduler receives it",
                   "no LoRA / --enable-lora false", "fusion forced", "Engine(server_args=...) built before plugins"],
                  [fusion_row(r) for r in results])
 
@@ -157,7 +153,7 @@ def lora_row(result: dict) -> list[str]:
 
 
 def lora_markdown(results: list[dict]) -> str:
-    return table(["sglang", "runner looks the builder up at call time / guard's builder placed",
+    return tables.markdown(["sglang", "runner looks the builder up at call time / guard's builder placed",
                   "SGLang's virtual-experts path on gated MoE (read from its code)", "token-to-adapter map",
                   "fast hooks (release's own LoRAInfo, fp32 reference)", "deactivate() restores"],
                  [lora_row(r) for r in results])
@@ -178,7 +174,7 @@ def presence_markdown(results: list[dict]) -> str:
         found = (result.get("catalogue") or {}).get("presence") or {}
         rows.append([result["version"]] + [{True: "X", False: "·", None: "?"}.get(found.get(d.id, {}).get("present"), "error")
                                            for d in DEFECTS])
-    return table(header, rows)
+    return tables.markdown(header, rows)
 
 
 def _refused(result: dict, case: str) -> str:
@@ -296,7 +292,7 @@ def catalogue_markdown(results: list[dict], layers: dict) -> str:
             header, cells = entry_cells(defect.id, result, _layer(layers, result["version"], LAYER_CASES.get(defect.id)))
             rows.append([result["version"], f"{YES[found['present']]}: {found['evidence']}", *cells])
         parts.append(f"`{defect.id}` ({defect.releases}): {defect.title}\n\n"
-                     + table(["sglang", "in its code"] + header, rows))
+                     + tables.markdown(["sglang", "in its code"] + header, rows))
     return "\n\n".join(parts)
 
 

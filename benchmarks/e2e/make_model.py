@@ -2,7 +2,7 @@
 tuned H200 shape whose down config says USE_TMA in every bucket) with random weights, and four peft LoRA
 adapters on its experts, of ranks 8, 16, 32 and 64.
 
-    python make_model.py MODEL_DIR LORA_DIR        (MOE_I=1280 for tensor parallel 2)
+    python -m benchmarks.e2e.make_model MODEL_DIR LORA_DIR        (MOE_I=1280 for tensor parallel 2)
 
 Random weights, but a real checkpoint: SGLang refuses LoRA adapters with --load-format dummy."""
 import json

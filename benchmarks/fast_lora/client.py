@@ -1,51 +1,33 @@
-"""Requests to a running SGLang server with the adapters of make_model.py, and their comparison.
+"""The fast-path campaign's requests to a running SGLang server with the adapters of make_model.py.
 
-    python client.py run PORT OUT.json [lora]   correctness: 40 greedy requests x 32 new tokens with
-                                                their top-5 log-probabilities (8 prompts alone for each
-                                                of the 4 adapters, then a wave of 8 mixing them and the
-                                                base model); "lora" marks a server with adapters
-    python client.py load PORT OUT.json [lora]  decode throughput at 1, 16 and 64 concurrent requests
-                                                (128 new tokens; one warm-up wave, then 3 timed, median),
-                                                and prefill throughput (32 concurrent prompts of 1024
-                                                tokens, 1 new token; warm-up, then 3 timed, median)
-    python client.py compare DEFAULT.json FAST.json   equal greedy tokens per request, and the
-                                                log-probability gap at each first differing token
+    python -m benchmarks.fast_lora.client run PORT OUT.json [lora]
+        correctness: 40 greedy requests x 32 new tokens with their top-5 log-probabilities (8 prompts
+        alone for each of the 4 adapters, then a wave of 8 mixing them and the base model); "lora"
+        marks a server with adapters
+    python -m benchmarks.fast_lora.client load PORT OUT.json [lora]
+        decode throughput at 1, 16 and 64 concurrent requests (128 new tokens), and prefill throughput
+        (32 concurrent prompts of 1024 tokens, 1 new token): one warm-up wave, then 5 timed, all kept
+        with their median
+    python -m benchmarks.fast_lora.client compare DEFAULT.json FAST.json
+        equal greedy tokens per request, and the log-probability gap at each first differing token
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+
+from benchmarks.serving.client import generate, timed_waves, tokens_of, wave
 
 ADAPTERS = ["a1", "a2", "a3", "a4"]
 NEW_TOKENS = 32
+WAVES = 5
+"""Timed waves per figure (after one warm-up): the median is quoted, with the spread."""
 
 
 def prompt(i: int, length: int | None = None) -> list[int]:
     length = length or 5 + (i * 13) % 60
     return [(97 * i + 31 * k + 5) % 2000 + 3 for k in range(length)]
-
-
-def generate(port, ids, lora, new_tokens, logprobs=False) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
-    if lora:
-        body["lora_path"] = lora
-    if logprobs:
-        body.update(return_logprob=True, top_logprobs_num=5)
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    answer = json.loads(urllib.request.urlopen(request, timeout=600).read())
-    top = answer.get("meta_info", {}).get("output_top_logprobs") if logprobs else None
-    return {"ids": answer["output_ids"], "top": [[[lp, tok] for lp, tok, *_ in step] for step in top] if top else None}
-
-
-def wave(port, jobs, new_tokens, logprobs=False):
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda job: generate(port, *job, new_tokens, logprobs), jobs))
 
 
 def run(port: int, lora: bool) -> dict:
@@ -61,24 +43,14 @@ def run(port: int, lora: bool) -> dict:
     return {"outputs": outputs}
 
 
-def timed(fn, repeats=3):
-    fn()  # warm-up
-    values = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        count = fn()
-        values.append(count / (time.perf_counter() - started))
-    return {"per_s": [round(v, 1) for v in values], "median": round(statistics.median(values), 1)}
-
-
 def load(port: int, lora: bool) -> dict:
     kinds = ADAPTERS if lora else [None]
     result = {}
     for concurrency in (1, 16, 64):
         jobs = [(prompt(300 + k, 32), kinds[k % len(kinds)]) for k in range(concurrency)]
-        result[f"decode_c{concurrency}_tok_s"] = timed(lambda j=jobs: sum(len(o["ids"]) for o in wave(port, j, 128)))
+        result[f"decode_c{concurrency}_tok_s"] = timed_waves(lambda j=jobs: tokens_of(wave(port, j, 128)), WAVES)
     jobs = [(prompt(500 + k, 1024), kinds[k % len(kinds)]) for k in range(32)]
-    result["prefill_tok_s"] = timed(lambda: len(wave(port, jobs, 1)) * 1024)
+    result["prefill_tok_s"] = timed_waves(lambda: len(wave(port, jobs, 1)) * 1024, WAVES)
     return result
 
 
@@ -115,7 +87,8 @@ def main(argv) -> int:
         if argv[0] == "load":
             print(json.dumps(result))
         return 0
-    verdict = compare(json.load(open(argv[1])), json.load(open(argv[2])))
+    with open(argv[1]) as default, open(argv[2]) as fast:
+        verdict = compare(json.load(default), json.load(fast))
     print(json.dumps(verdict, indent=1))
     return 0
 

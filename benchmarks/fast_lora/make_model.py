@@ -3,7 +3,7 @@ moe_intermediate 768, top-8, 32 query / 4 KV heads of 128) but 3 layers and a 20
 random bf16 weights generated on the GPU, saved as real safetensors; and four peft LoRA adapters on
 its experts (gate, up, down), of ranks 8, 16, 32 and 64.
 
-    python make_model.py MODEL_DIR LORA_DIR
+    python -m benchmarks.fast_lora.make_model MODEL_DIR LORA_DIR
 
 Random weights, but a real checkpoint: SGLang refuses LoRA adapters with --load-format dummy."""
 import json

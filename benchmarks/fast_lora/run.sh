@@ -6,47 +6,44 @@
 # decode and prefill throughput (client.py). Then the fast run is compared with the default one.
 #   bash benchmarks/fast_lora/run.sh [names...]    (default: default fast nolora); results under ${OUT:-results}/
 # DTYPE=float16|bfloat16 (default bfloat16): the servers' --dtype; RUN_ONLY=1: correctness requests only.
-set -u
+set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
-here=benchmarks/fast_lora
-export OUT=${OUT:-results}; mkdir -p "$OUT"
-model=$E2E/q3-model lora=$E2E/q3-lora
-[ -f "$model/model.safetensors" ] || python3 $here/make_model.py "$model" "$lora" || exit 4
+source benchmarks/serving/server.sh
+export OUT="${OUT:-results}"; mkdir -p "$OUT"
+model="$E2E/q3-model" lora="$E2E/q3-lora"
+[ -f "$model/model.safetensors" ] || python3 -m benchmarks.fast_lora.make_model "$model" "$lora"
 
 serve() {  # NAME PORT GUARD_VALUE LORA(yes|no)
-  local name=$1 port=$2 guard=$3 use_lora=$4 log=$OUT/server-$1.log t0=$SECONDS
+  local name="$1" port="$2" guard="$3" use_lora="$4" log="$OUT/server-$1.log" tag=
   local lora_args=()
-  [ "$use_lora" = yes ] && lora_args=(--enable-lora --lora-paths a1="$lora/a1" a2="$lora/a2" a3="$lora/a3" a4="$lora/a4"
-                                      --max-loras-per-batch 5 --max-lora-rank 64)
-  SGLANG_LORA_TMA_GUARD=$guard python3 -m sglang.launch_server --model-path "$model" --skip-tokenizer-init \
-    "${lora_args[@]}" --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
-    --dtype "${DTYPE:-bfloat16}" --cuda-graph-max-bs 64 --mem-fraction-static 0.5 --disable-radix-cache --random-seed 0 --port "$port" \
-    > "$log" 2>&1 &
-  local pid=$! ok=0
-  for _ in $(seq 1 150); do
-    curl -s "127.0.0.1:$port/health" >/dev/null 2>&1 && { ok=1; break; }
-    kill -0 $pid 2>/dev/null || break; sleep 2
-  done
-  if [ $ok = 1 ]; then
-    echo "== $name: up after $((SECONDS - t0)) s"
-    local tag=; [ "$use_lora" = yes ] && tag=lora
-    python3 $here/client.py run "$port" "$OUT/run-$name.json" $tag
-    [ -n "${RUN_ONLY:-}" ] || python3 $here/client.py load "$port" "$OUT/load-$name.json" $tag | sed "s/^/== $name load: /"
-  else
-    echo "== $name: server did not come up"; tail -20 "$log"
+  if [ "$use_lora" = yes ]; then
+    tag=lora
+    lora_args=(--enable-lora --lora-paths a1="$lora/a1" a2="$lora/a2" a3="$lora/a3" a4="$lora/a4"
+               --max-loras-per-batch 5 --max-lora-rank 64)
   fi
-  grep -ho "sglang-lora-tma-guard: [^(]*" "$log" | sort | uniq -c | cut -c1-200
-  pkill -P $pid 2>/dev/null; kill $pid 2>/dev/null; wait $pid 2>/dev/null
-  sleep 3
+  if start_server "$log" "$port" 150 SGLANG_LORA_TMA_GUARD="$guard" -- --model-path "$model" --skip-tokenizer-init \
+      "${lora_args[@]}" --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
+      --dtype "${DTYPE:-bfloat16}" --cuda-graph-max-bs 64 --mem-fraction-static 0.5 --disable-radix-cache \
+      --random-seed 0; then
+    echo "== $name: up after $SERVER_UP_S s"
+    python3 -m benchmarks.fast_lora.client run "$port" "$OUT/run-$name.json" $tag
+    if [ -z "${RUN_ONLY:-}" ]; then
+      python3 -m benchmarks.fast_lora.client load "$port" "$OUT/load-$name.json" $tag | sed "s/^/== $name load: /"
+    fi
+  fi
+  guard_lines "$log"
+  stop_server
 }
 
-names=("$@"); [ ${#names[@]} = 0 ] && names=(default fast nolora)
+names=("$@"); [ "${#names[@]}" = 0 ] && names=(default fast nolora)
 for name in "${names[@]}"; do
-  case $name in
+  case "$name" in
     default) serve default 32001 1 yes ;;
     fast) serve fast 32002 fast yes ;;
     nolora) serve nolora 32003 1 no ;;
   esac
 done
-[ -f "$OUT/run-default.json" ] && [ -f "$OUT/run-fast.json" ] && \
-  python3 $here/client.py compare "$OUT/run-default.json" "$OUT/run-fast.json" | tee "$OUT/verdict.json" | head -8
+if [ -f "$OUT/run-default.json" ] && [ -f "$OUT/run-fast.json" ]; then
+  python3 -m benchmarks.fast_lora.client compare "$OUT/run-default.json" "$OUT/run-fast.json" > "$OUT/verdict.json"
+  head -8 "$OUT/verdict.json"
+fi

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from harness import tables
+
 REPO = Path(__file__).resolve().parents[2]
 
 TOKENS, HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 24, 1024, 512, 16, 4
@@ -195,10 +197,11 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dual_stream.json").write_text(json.dumps(rows, indent=1))
-    print("\n| sglang | guard | inplace | delay (cycles) | wrong replays | max rel. error |\n|---|---|---|---|---|---|")
+    print()
+    table = tables.Table(["sglang", "guard", "inplace", "delay (cycles)", "wrong replays", "max rel. error"])
     for r in rows:
-        print(f"| {r['sglang']} | {'on' if r['guarded'] else 'off'} | {r['inplace']} | {r['sleep_cycles']:,} | "
-              f"{r['wrong_replays']}/{r['replays']} | {r['max_rel_error']:.2e} |")
+        table.add(r["sglang"], "on" if r["guarded"] else "off", r["inplace"], f"{r['sleep_cycles']:,}",
+                  f"{r['wrong_replays']}/{r['replays']}", f"{r['max_rel_error']:.2e}")
     return 0
 
 

@@ -9,7 +9,7 @@
 #      tokens (32 and 48 concurrent), guard on; and guard off with --disable-shared-experts-fusion (the
 #      racy path without the guard's fix), every token scored against transformers' fp32 model.
 #   bash benchmarks/inplace_race/run.sh        results under ${OUT:-results}/
-set -uo pipefail
+set -euo pipefail
 if [ "${1:-}" = unpack ]; then  # the first call: part1 and SGLang 0.5.17's tree
   source benchmarks/e2e/setup_there.sh
   mkdir -p /tmp/e2e/sglang-0.5.17 && tar -xJf .e2e/sglang-0.5.17.tar.xz -C /tmp/e2e/sglang-0.5.17 && echo unpacked
@@ -18,10 +18,10 @@ fi
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 export OUT="${OUT:-results}"
 mkdir -p "$OUT/sglang-0.5.16" "$OUT/sglang-0.5.17"
-here=benchmarks/inplace_race
-python3 -m benchmarks.inplace_race.dual_stream --out "$OUT/sglang-0.5.16" 2>&1 | grep -v Warning | tail -12
+quiet() { { grep -v Warning || true; } | tail -12; }
+python3 -m benchmarks.inplace_race.dual_stream --out "$OUT/sglang-0.5.16" 2>&1 | quiet
 if [ -d "$E2E/sglang-0.5.17/sglang" ]; then  # unpacked by the first call: unpack_0517
   PYTHONPATH="$E2E/sglang-0.5.17:$PYTHONPATH" python3 -m benchmarks.inplace_race.dual_stream --out "$OUT/sglang-0.5.17" 2>&1 \
-    | grep -v Warning | tail -12
+    | quiet
 fi
 bash benchmarks/shared_expert/run.sh deepseek long

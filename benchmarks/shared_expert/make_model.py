@@ -1,6 +1,6 @@
 """Tiny checkpoints whose shared expert SGLang fuses, and peft LoRA adapters for them.
 
-    python make_model.py glm|deepseek MODEL_DIR LORA_DIR
+    python -m benchmarks.shared_expert.make_model glm|deepseek MODEL_DIR LORA_DIR
 
 - ``glm``: ``Glm4MoeForCausalLM`` (the GLM-4.5/4.6/4.7 class; SGLang fuses its shared expert whatever
   the expert count): hidden 256, 2 layers, 16 routed experts top-4 + 1 shared, GQA with qk-norm.

@@ -1,6 +1,6 @@
 """Score a server's greedy tokens against a PyTorch reference of the same model and adapters.
 
-    python reference.py MODEL_DIR LORA_DIR RUN.json [RUN.json ...] [--device cuda] [--out VERDICT.txt]
+    python -m benchmarks.shared_expert.reference MODEL_DIR LORA_DIR RUN.json [RUN.json ...] [--device cuda] [--out VERDICT.txt]
 
 The reference is transformers' own model class for the checkpoint (``Glm4MoeForCausalLM``,
 ``DeepseekV3ForCausalLM``) in fp32, each adapter merged into its weights as peft defines it:
