@@ -32,6 +32,20 @@ def benchmark_parser(doc: str, tokens: list[int], shapes: bool = True) -> argpar
     return parser
 
 
+def run_meta(**extra) -> dict:
+    """What a results file says it ran on (SGLang, torch, Triton, the GPU) plus ``extra``; printed as a JSON line."""
+    import json
+
+    import triton
+
+    from sglang_lora_tma_guard.inspection import sglang_version
+
+    meta = {"sglang": sglang_version(), "torch": torch.__version__, "triton": triton.__version__,
+            "gpu": torch.cuda.get_device_name(0), **extra}
+    print(json.dumps(meta), flush=True)
+    return meta
+
+
 def results_dir(args) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)
     return args.out

@@ -18,12 +18,11 @@ import sys
 
 import torch
 
-from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir
+from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir, run_meta
 from harness import tables, tiny_moe
 from harness.reference import reference_moe
 from harness.tiny_moe import rel_err
 from sglang_lora_tma_guard import fallback
-from sglang_lora_tma_guard.inspection import sglang_version
 
 TOKENS = [1, 8, 32, 64, 256, 1024, 4096, 8192]
 
@@ -121,13 +120,9 @@ def main(argv=None) -> int:
     args = benchmark_parser(__doc__, TOKENS, shapes=False).parse_args(argv)
     out = results_dir(args)
     prepare_sglang()
-    import triton
 
     bandwidth = copy_bandwidth()
-    meta = {"gpu": torch.cuda.get_device_name(0), "sglang": sglang_version(), "triton": triton.__version__,
-            "copy_bandwidth_tb_s": bandwidth / 1e12}
-    meta["reference_checks"] = reference_checks()
-    print(json.dumps(meta), flush=True)
+    meta = run_meta(copy_bandwidth_tb_s=bandwidth / 1e12, reference_checks=reference_checks())
     shape = SHAPES["glm51-fp8-tp8"]
     weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
     rows = []

@@ -28,9 +28,8 @@ import time
 import torch
 
 import sglang_lora_tma_guard as guard
-from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir
+from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_ms, results_dir, run_meta
 from harness import tables, tiny_moe
-from sglang_lora_tma_guard.inspection import sglang_version
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 
@@ -163,12 +162,8 @@ def main(argv=None) -> int:
     state = guard.status()
     if not state.installed:
         sys.exit(f"h200_proof: the guard did not install through load_plugins(): {state}")
-    import triton
 
-    meta = {"sglang": sglang_version(), "torch": torch.__version__, "triton": triton.__version__,
-            "gpu": torch.cuda.get_device_name(0), "strategy": state.strategy,
-            "activated_by": "SGLANG_LORA_TMA_GUARD=1 + sglang.srt.plugins.load_plugins()"}
-    print(json.dumps(meta), flush=True)
+    meta = run_meta(strategy=state.strategy, activated_by="SGLANG_LORA_TMA_GUARD=1 + sglang.srt.plugins.load_plugins()")
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]

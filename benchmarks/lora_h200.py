@@ -30,10 +30,18 @@ import time
 import torch
 
 import sglang_lora_tma_guard as guard
-from benchmarks._bench import SHAPES, benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
+from benchmarks._bench import (
+    SHAPES,
+    benchmark_parser,
+    capture,
+    lookup_configs,
+    prepare_sglang,
+    replay_times,
+    results_dir,
+    run_meta,
+)
 from benchmarks._lora_setup import cg_buffers
 from harness import real_lora, tables, tiny_moe
-from sglang_lora_tma_guard.inspection import sglang_version
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 RANKS = (8, 16, 32, 64)
@@ -126,12 +134,9 @@ def main(argv=None) -> int:
     out = results_dir(args)
 
     prepare_sglang()
-    import triton
     from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
-    meta = {"sglang": sglang_version(), "torch": torch.__version__, "triton": triton.__version__,
-            "gpu": torch.cuda.get_device_name(0), "ranks": RANKS}
-    print(json.dumps(meta), flush=True)
+    meta = run_meta(ranks=RANKS)
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]

@@ -29,12 +29,11 @@ import time
 import torch
 
 import sglang_lora_tma_guard as guard
-from benchmarks._bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir
+from benchmarks._bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir, run_meta
 from benchmarks._lora_setup import HBM_BYTES_PER_S, RANK_SETS, batches, floor_bytes, lora_info
 from harness import real_lora, tables, tiny_moe
 from harness.reference import ReferenceLoRAHooks
 from sglang_lora_tma_guard import lora_path
-from sglang_lora_tma_guard.inspection import sglang_version
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 SAMPLE = 32
@@ -153,12 +152,9 @@ def main(argv=None) -> int:
     args = benchmark_parser(__doc__, TOKENS).parse_args(argv)
     out = results_dir(args)
     prepare_sglang()
-    import triton
     from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
-    meta = {"sglang": sglang_version(), "torch": torch.__version__, "triton": triton.__version__,
-            "gpu": torch.cuda.get_device_name(0)}
-    print(json.dumps(meta), flush=True)
+    meta = run_meta()
     rows = []
     for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
         t0 = time.perf_counter()

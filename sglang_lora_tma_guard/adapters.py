@@ -3,11 +3,19 @@
 What the adapter entries of the catalogue (``defects/*``) read, at runtime from SGLang's own
 ``LoRAAdapter`` (``adapter.layers[i].weights``, ``adapter.config.hf_config``) and in ``check --adapter``
 from the same object built on the CPU. Names are peft's: ``base_model.model.<module>.lora_A.weight``.
+The entries that fix an adapter's weights do it in one seam, :func:`before_normalize`.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
+
+from .log import logger
+from .patching import Patch
+
+LORA = "sglang.srt.lora.lora"
 
 PEFT_PREFIX = "base_model.model."
 EXPERT = re.compile(r"\.experts\.\d+\.")
@@ -59,3 +67,25 @@ def is_shared_outer(adapter) -> bool | None:
             if EXPERT.search(name):
                 return False
     return None
+
+
+def before_normalize(name: str, step: Callable[[object], int], said: str, present: Callable[[], bool | None]) -> Patch:
+    """A patch on SGLang's ``LoRAAdapter._normalize_weights`` that runs ``step(adapter)`` on the raw
+    weights first, while the guard is engaged, and logs ``said % (adapter, count)`` when ``step`` changed
+    ``count`` things. Not placed where ``present()`` says the release has no such defect."""
+
+    def make(original, engaged):
+        if original is None or present() is False:
+            return None
+
+        @functools.wraps(original)
+        def _normalize_weights(self, *args, **kwargs):
+            if engaged.on:
+                changed = step(self)
+                if changed:
+                    logger.info(said, getattr(self, "uid", "?"), changed)
+            return original(self, *args, **kwargs)
+
+        return _normalize_weights
+
+    return Patch(name, LORA, "LoRAAdapter._normalize_weights", make)

@@ -94,6 +94,14 @@ class Deployment:
     def arg(self, name: str, default=None):
         return getattr(self.args, name, default) if self.args is not None else default
 
+    def lora_moe_of(self, architectures) -> bool | None:
+        """A LoRA server of a MoE model whose architecture is one of ``architectures`` (None: not known)?"""
+        if self.lora is False or self.moe is False:
+            return False
+        if self.model is None:
+            return None
+        return architecture(self.model) in architectures
+
 
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 

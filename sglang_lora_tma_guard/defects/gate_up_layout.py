@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextvars
 import functools
 
-from ..catalogue import Defect, Deployment, Presence, Remedy, architecture, parameters, read, unreadable
+from ..catalogue import Defect, Deployment, Presence, Remedy, parameters, read, unreadable
 from ..inspection import TARGET_MODULE, TARGET_NAME
 from ..log import logger
 from ..patching import Patch
@@ -127,11 +127,7 @@ class GateUpLayout(Defect):
         return Presence(True, f"{' and '.join(wrong)} ({', '.join(models)})")
 
     def affects(self, deployment: Deployment) -> bool | None:
-        if deployment.lora is False or deployment.moe is False:
-            return False
-        if deployment.model is None:
-            return None
-        return architecture(deployment.model) in ARCHITECTURES
+        return deployment.lora_moe_of(ARCHITECTURES)
 
     def on_lora_modules(self, layers: list, deployment: Deployment) -> str | None:
         affected = not_interleaved_layers(layers)

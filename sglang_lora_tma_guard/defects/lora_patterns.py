@@ -14,15 +14,10 @@ slots: that adapter is refused at load, with the module named.
 
 from __future__ import annotations
 
-import functools
 import math
 
-from ..adapters import layer_weights, module_of, pattern_value, peft_config
+from ..adapters import LORA, before_normalize, layer_weights, module_of, pattern_value, peft_config
 from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
-from ..log import logger
-from ..patching import Patch
-
-LORA = "sglang.srt.lora.lora"
 
 
 def apply_patterns(adapter) -> int:
@@ -55,24 +50,9 @@ def apply_patterns(adapter) -> int:
     return changed
 
 
-def _make(original, engaged):
-    if original is None or DEFECT.present().present is False:
-        return None
-
-    @functools.wraps(original)
-    def _normalize_weights(self, *args, **kwargs):
-        if engaged.on:
-            changed = apply_patterns(self)
-            if changed:
-                logger.info("LoRA adapter %s: rank_pattern / alpha_pattern applied to %d "
-                            "module(s) (each its own scaling, smaller ranks padded to r)", getattr(self, "uid", "?"),
-                            changed)
-        return original(self, *args, **kwargs)
-
-    return _normalize_weights
-
-
-PATCH = Patch("LoRA rank and alpha patterns", LORA, "LoRAAdapter._normalize_weights", _make)
+PATCH = before_normalize("LoRA rank and alpha patterns", apply_patterns,
+                         "LoRA adapter %s: rank_pattern / alpha_pattern applied to %d module(s) (each its own "
+                         "scaling, smaller ranks padded to r)", lambda: DEFECT.present().present)
 
 
 class LoraPatterns(Defect):

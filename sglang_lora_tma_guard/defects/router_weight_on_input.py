@@ -11,7 +11,7 @@ and says to serve those adapters without expert targets.
 
 from __future__ import annotations
 
-from ..catalogue import Defect, Deployment, Presence, Remedy, architecture, by_marker
+from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
 
 RUNNERS = "sglang.srt.lora.lora_moe_runners"
 ARCHITECTURES = ("Llama4ForConditionalGeneration", "Llama4ForCausalLM")
@@ -31,11 +31,7 @@ class RouterWeightOnInput(Defect):
                          present="the LoRA MoE hooks ignore apply_router_weight_on_input")
 
     def affects(self, deployment: Deployment) -> bool | None:
-        if deployment.lora is False or deployment.moe is False:
-            return False
-        if deployment.model is None:
-            return None
-        return architecture(deployment.model) in ARCHITECTURES
+        return deployment.lora_moe_of(ARCHITECTURES)
 
     def refusal(self, deployment: Deployment) -> str | None:
         return None  # whether adapters target the experts is known in the scheduler only

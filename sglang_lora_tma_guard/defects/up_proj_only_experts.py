@@ -11,14 +11,8 @@ the up half of a gate-only adapter: the up delta is served, the gate delta is ze
 
 from __future__ import annotations
 
-import functools
-
-from ..adapters import EXPERT, layer_weights
+from ..adapters import EXPERT, LORA, before_normalize, layer_weights
 from ..catalogue import Defect, Deployment, Presence, Remedy, by_marker
-from ..log import logger
-from ..patching import Patch
-
-LORA = "sglang.srt.lora.lora"
 
 
 def give_gates(adapter) -> int:
@@ -34,24 +28,9 @@ def give_gates(adapter) -> int:
     return added
 
 
-def _make(original, engaged):
-    if original is None or DEFECT.present().present is False:
-        return None
-
-    @functools.wraps(original)
-    def _normalize_weights(self, *args, **kwargs):
-        if engaged.on:
-            added = give_gates(self)
-            if added:
-                logger.info("LoRA adapter %s has expert LoRA on up_proj alone: %d zero gate "
-                            "half(s) added so that SGLang stacks it into gate_up_proj", getattr(self, "uid", "?"),
-                            added // 2)
-        return original(self, *args, **kwargs)
-
-    return _normalize_weights
-
-
-PATCH = Patch("up_proj-only expert LoRA", LORA, "LoRAAdapter._normalize_weights", _make)
+PATCH = before_normalize("up_proj-only expert LoRA", give_gates,
+                         "LoRA adapter %s has expert LoRA on up_proj alone: %d zero gate_proj tensor(s) (A and B) "
+                         "added so that SGLang stacks it into gate_up_proj", lambda: DEFECT.present().present)
 
 
 class UpProjOnlyExperts(Defect):
