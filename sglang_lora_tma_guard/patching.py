@@ -222,6 +222,10 @@ class Patch:
         self._forget()
 
     def _forget(self) -> None:
+        # A wrapper that left our hands (replaced wholesale, or a class object someone still holds) must
+        # not stay engaged: it passes calls through untouched from now on.
+        if self._engaged is not None:
+            self._engaged.on = False
         self._handle = self._engaged = None
 
     def _current(self, module):

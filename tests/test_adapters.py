@@ -53,7 +53,11 @@ def served_error(cpu, manager, refs, moe, name, written, scale, rank):
 
 @pytest.mark.parametrize("guarded", [False, True], ids=["unguarded", "guarded"])
 def test_an_rslora_adapter_is_served_at_peft_scale_only_with_the_guard(cpu, tmp_path, guarded):
+    from sglang_lora_tma_guard.defects import rslora_scaling
+
     guard(guarded)
+    placed = rslora_scaling.PATCH.status()
+    assert guarded or not (placed.installed and not placed.inert), placed  # unguarded: nothing of ours engaged
     written = cpu.write_adapter(tmp_path / "rs", rank=8, alpha=16, use_rslora=True, **SIZES)
     manager, refs, moe = cpu.real_manager({"rs": tmp_path / "rs"})
     peft = 16 / math.sqrt(8)
