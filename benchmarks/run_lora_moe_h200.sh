@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the H200 machine, from the repository root, with the kit (benchmarks/e2e/fetch_kit.sh) unpacked by
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
-# default LoRA MoE path with those tiles. Results under ${OUT:-results}/.
-#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all] [extra arguments for the Python scripts]
+# default LoRA MoE path with those tiles; or each kernel of the fast path against its floor (kernels).
+# Results under ${OUT:-results}/.
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels] [extra arguments for the Python scripts]
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 1; }
 export OUT="${OUT:-results}"; mkdir -p "$OUT"
@@ -13,4 +14,7 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   if [ -f "$OUT/lora_moe_tiles.json" ]; then export SGLANG_LORA_TMA_GUARD_TILES="$OUT/lora_moe_tiles.json"; fi
   timeout "${BENCH_S:-280}" python3 -m benchmarks.lora_moe_h200 --out "$OUT" "$@"
+fi
+if [ "$what" = kernels ]; then
+  timeout "${BENCH_S:-280}" python3 -m benchmarks.lora_moe_kernels --out "$OUT" "$@"
 fi

@@ -1,0 +1,182 @@
+"""Each kernel of the fast LoRA MoE path against its own floor, and what fusing the LoRA work into the MoE
+GEMMs would save, on a Hopper GPU.
+
+    python -m benchmarks.lora_moe_kernels [--shapes glm51-fp8-tp8] [--tokens 1 8 64 256 1024 4096 8192] [--out results]
+
+Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 adapters of ranks
+8/16/32/64 or all 16, the batch split evenly among them and the base model), CUDA-graph replays, best of
+5 x 50, interleaved:
+
+- the hook-less call (SGLang's ``TritonRunnerCore.run``, weight TMA) and the fast hooked call;
+- each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
+  gate-up shrink and expand, the down shrink and expand.
+
+Each kernel's floor is the larger of its bytes at HBM speed (what it must read and write at least: the
+rows of x or of the activation it multiplies, the LoRA weights of every (adapter, expert) in use at the
+adapter's true rank, the float32 ranks it writes or reads, the output rows it adds into, read and
+written) and its FLOPs at the bf16 dense peak. ``fusable`` is the traffic that exists only because the
+LoRA work runs beside the GEMMs (a fused kernel reads x and the activation in the tiles the base GEMMs
+read anyway, and adds both expands in the GEMMs' epilogues): the x and activation reads of the two
+shrinks, the read-modify-write of both outputs, the ranks' round trips. The fused floor of a hooked
+call is the hook-less call plus the LoRA weights read once. Writes ``lora_moe_kernels.json`` / ``.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+import sglang_lora_tma_guard as guard
+from benchmarks._bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir, run_meta
+from benchmarks._lora_setup import HBM_BYTES_PER_S, RANK_SETS, batches, lora_info
+from harness import real_lora, tables, tiny_moe
+from sglang_lora_tma_guard import lora_moe, lora_path, tuning
+
+TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
+BF16_FLOPS = 989e12  # H200 dense bf16 peak (NVIDIA's datasheet), for the FLOP side of the floors
+KERNELS = ("route", "shrink_gu", "expand_gu", "shrink_dn", "expand_dn")
+
+
+def traffic(info, ids, hidden_width: int, inter: int) -> dict:
+    """Bytes and FLOPs each kernel must move and do at least, and the bytes a fused kernel would not move."""
+    ranks = info.lora_ranks.long()
+    slots = info.token_lora_mapping.long()
+    experts = info.gate_up_lora_b_weights.shape[1]
+    halves = info.gate_up_lora_a_weights.shape[2] // info.max_lora_rank
+    on = (slots >= 0)[:, None] & (ids >= 0) & (ids < experts)
+    on &= (ranks.clamp(min=0)[slots.clamp(min=0)] > 0)[:, None] & info.adapter_enabled.bool()[slots.clamp(min=0)][:, None]
+    pair_slot = slots[:, None].expand_as(ids)[on]
+    pair_rank = ranks[pair_slot]
+    pairs, rank_sum = int(on.sum()), int(pair_rank.sum())  # pairs with a delta; their ranks summed
+    keys = torch.unique(pair_slot * experts + ids.long()[on])
+    key_rank_sum = int(ranks[keys // experts].sum())  # one (adapter, expert) in use: its rank
+    tokens_with_delta = int(on.any(dim=1).sum())
+    bf16, f32, n2 = 2, 4, halves * inter  # gate-up width: gate and up halves
+    out = {
+        "shrink_gu": (tokens_with_delta * hidden_width * bf16 + key_rank_sum * halves * hidden_width * bf16
+                      + rank_sum * halves * f32, 2 * rank_sum * halves * hidden_width),
+        "expand_gu": (rank_sum * halves * f32 + key_rank_sum * n2 * bf16 + 2 * pairs * n2 * bf16,
+                      2 * rank_sum * n2),
+        "shrink_dn": (pairs * inter * bf16 + key_rank_sum * inter * bf16 + rank_sum * f32, 2 * rank_sum * inter),
+        "expand_dn": (rank_sum * f32 + key_rank_sum * hidden_width * bf16 + 2 * pairs * hidden_width * bf16 + pairs * f32,
+                      2 * rank_sum * hidden_width),
+    }
+    weights = key_rank_sum * bf16 * (halves * hidden_width + n2 + inter + hidden_width)
+    fusable = (tokens_with_delta * hidden_width * bf16 + pairs * inter * bf16  # the shrinks' x and activation
+               + 2 * pairs * (n2 + hidden_width) * bf16  # both outputs read and written again
+               + 2 * rank_sum * (halves + 1) * f32)  # the ranks written and read back
+    return {"kernels": out, "weights_bytes": weights, "fusable_bytes": fusable, "pairs_with_delta": pairs}
+
+
+def floor_ms(nbytes: float, flops: float = 0.0) -> float:
+    return max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e3
+
+
+def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
+    from sglang.srt.lora import lora_moe_runners as runners
+
+    original = runners.build_lora_hooks
+    config, down_config, use_tma = lookup_configs(shape, tokens)
+    problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
+                                    dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config)
+    info = lora_info(problem, RANK_SETS[ranks_name], seed=tokens)
+    hidden, ids, w = problem.hidden_states, problem.topk_ids, problem.topk_weights
+    topk, r = ids.shape[1], int(info.max_lora_rank)
+    ga, gb, da, db = (info.gate_up_lora_a_weights, info.gate_up_lora_b_weights,
+                      info.down_lora_a_weights, info.down_lora_b_weights)
+    width1, inter, width3 = gb.shape[2], da.shape[3], hidden.shape[1]
+    halves = 2 if lora_path.is_gated(info) else 1
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    act = (torch.randn(tokens * topk, inter, generator=gen, device="cuda") * 0.5).to(hidden.dtype)
+    c1 = torch.zeros(tokens, topk, width1, dtype=hidden.dtype, device="cuda")
+    c3 = torch.zeros(tokens, topk, width3, dtype=hidden.dtype, device="cuda")
+    ranks, enabled = info.lora_ranks.to(torch.int32), info.adapter_enabled.to(torch.int32)
+    slots = lora_path.token_adapters(info, tokens)
+    tiles = tuning.plan(tokens * topk, width3, inter, gb.shape[1], ranks.numel(), r)
+    routing = lora_moe.route(ids, slots, enabled, ranks, gb.shape[1], tiles.block_m)
+    t_gu = lora_moe.shrink(hidden, ga, routing, ranks, topk=topk, max_rank=r, halves=halves, config=tiles.gate_up)
+    t_dn = lora_moe.shrink(act, da, routing, ranks, topk=topk, max_rank=r, halves=1, config=tiles.down)
+    kernels = {
+        "route": lambda: lora_moe.route(ids, slots, enabled, ranks, gb.shape[1], tiles.block_m).sorted_ids,
+        "shrink_gu": lambda: lora_moe.shrink(hidden, ga, routing, ranks, topk=topk, max_rank=r, halves=halves,
+                                             config=tiles.gate_up),
+        "expand_gu": lambda: lora_moe.expand(c1, t_gu, gb, routing, ranks, max_rank=r, halves=halves,
+                                             topk_weights=None, config=tiles.gate_up),
+        "shrink_dn": lambda: lora_moe.shrink(act, da, routing, ranks, topk=topk, max_rank=r, halves=1,
+                                             config=tiles.down),
+        "expand_dn": lambda: lora_moe.expand(c3, t_dn, db, routing, ranks, max_rank=r, halves=1, topk_weights=w,
+                                             config=tiles.down),
+    }
+
+    def whole(fast: bool):
+        hooks = lora_path.build_hooks(original, hidden, info, ids) if fast else None
+        return real_lora.run_runner(problem, hooks, use_tma=use_tma)
+
+    guard.activate(weight_tma=True)
+    with capture_mode():
+        graphs = {"nohook": capture(lambda: whole(False))[0], "fast": capture(lambda: whole(True))[0]}
+        graphs.update({kernel: capture(fn)[0] for kernel, fn in kernels.items()})
+    times = replay_times(graphs)
+    del graphs
+    moved = traffic(info, ids, width3, inter)
+    row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "block_m": tiles.block_m,
+           "pairs_with_delta": moved["pairs_with_delta"], "ms_nohook": times["nohook"], "ms_fast": times["fast"]}
+    for kernel in KERNELS:
+        row[f"ms_{kernel}"] = times[kernel]
+        if kernel in moved["kernels"]:
+            nbytes, flops = moved["kernels"][kernel]
+            row[f"floor_ms_{kernel}"] = floor_ms(nbytes, flops)
+            row[f"tb_s_{kernel}"] = nbytes / (times[kernel] * 1e-3) / 1e12
+    row["ms_kernels"] = sum(times[k] for k in KERNELS)
+    row["floor_ms_weights"] = floor_ms(moved["weights_bytes"])
+    row["floor_ms_fusable"] = floor_ms(moved["fusable_bytes"])
+    row["fused_floor_ms"] = times["nohook"] + row["floor_ms_weights"]
+    row["fast_over_fused_floor"] = times["fast"] / row["fused_floor_ms"]
+    return row
+
+
+def markdown(rows, meta) -> str:
+    ms = lambda v: f"{v:.3f}"  # noqa: E731
+    per_kernel = lambda r, k: f"{ms(r[f'ms_{k}'])} / {ms(r[f'floor_ms_{k}'])}"  # noqa: E731
+    return "\n".join([
+        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. ms per call, "
+        f"CUDA-graph replay, best of 5 x 50 (interleaved). Floors: bytes at {HBM_BYTES_PER_S / 1e12:.1f} TB/s or "
+        f"FLOPs at {BF16_FLOPS / 1e12:.0f} TFLOP/s, whichever is larger. Each kernel: measured / its floor. "
+        "fusable: the traffic that exists only because LoRA runs beside the GEMMs, at HBM speed. "
+        "fused floor: no hooks + the LoRA weights read once.",
+        "",
+        tables.markdown(
+            ["shape", "ranks", "tokens", "no hooks", "fast", "fast - no hooks", "route", "shrink gate-up",
+             "expand gate-up", "shrink down", "expand down", "LoRA weights floor", "fusable", "fused floor",
+             "fast / fused floor"],
+            ([r["shape"], r["ranks"], r["tokens"], ms(r["ms_nohook"]), ms(r["ms_fast"]), ms(r["ms_fast"] - r["ms_nohook"]),
+              ms(r["ms_route"]), per_kernel(r, "shrink_gu"), per_kernel(r, "expand_gu"), per_kernel(r, "shrink_dn"),
+              per_kernel(r, "expand_dn"), ms(r["floor_ms_weights"]), ms(r["floor_ms_fusable"]), ms(r["fused_floor_ms"]),
+              f"{r['fast_over_fused_floor']:.2f}"] for r in rows)),
+    ]) + "\n"
+
+
+def main(argv=None) -> int:
+    args = benchmark_parser(__doc__, TOKENS).parse_args(argv)
+    out = results_dir(args)
+    prepare_sglang()
+    from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
+
+    meta = run_meta(hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS)
+    rows = []
+    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
+        t0 = time.perf_counter()
+        rows.append(measure(model_capture_mode, name, shape, ranks_name, tokens, weights))
+        print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
+        (out / "lora_moe_kernels.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (out / "lora_moe_kernels.md").write_text(markdown(rows, meta))
+    guard.deactivate()
+    print(markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
