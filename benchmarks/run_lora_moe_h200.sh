@@ -11,8 +11,9 @@ what="${1:-all}"; shift || true
 if [ "$what" = tune ] || [ "$what" = all ]; then
   timeout "${TUNE_S:-300}" python3 -m benchmarks.tune_lora_moe --out "$OUT" "$@"
 fi
+# What tune wrote (this call or an earlier one into the same $OUT) is what bench and kernels run with.
+if [ -f "$OUT/lora_moe_tiles.json" ]; then export SGLANG_LORA_TMA_GUARD_TILES="$OUT/lora_moe_tiles.json"; fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  if [ -f "$OUT/lora_moe_tiles.json" ]; then export SGLANG_LORA_TMA_GUARD_TILES="$OUT/lora_moe_tiles.json"; fi
   timeout "${BENCH_S:-280}" python3 -m benchmarks.lora_moe_h200 --out "$OUT" "$@"
 fi
 if [ "$what" = kernels ]; then

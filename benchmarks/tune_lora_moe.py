@@ -41,7 +41,9 @@ def shrink_candidates(k: int, max_rank: int, num_pairs: int):
 def expand_candidates(max_rank: int):
     for block_n, block_r, warps in ((64, 16, 4), (64, 32, 4), (128, 16, 4), (128, 32, 8), (128, 64, 8), (256, 32, 8)):
         if block_r <= max(16, max_rank):
-            yield replace(BASE, expand_block_n=block_n, expand_block_r=block_r, expand_warps=warps)
+            for n_tiles in (1, 4, 16):  # column tiles per program
+                yield replace(BASE, expand_block_n=block_n, expand_block_r=block_r, expand_warps=warps,
+                              expand_n_tiles=n_tiles)
 
 
 def block_m_candidates(num_pairs: int):
@@ -119,7 +121,7 @@ def tune_batch(shape, ranks_name, tokens, weights):
 
 def _tiles(t: dict) -> str:
     return (f"shrink r{t['shrink_block_r']} k{t['shrink_block_k']} split {t['split_k']}, "
-            f"expand n{t['expand_block_n']} r{t['expand_block_r']} w{t['expand_warps']}")
+            f"expand n{t['expand_block_n']} r{t['expand_block_r']} w{t['expand_warps']} x{t.get('expand_n_tiles', 1)}")
 
 
 def main(argv=None) -> int:

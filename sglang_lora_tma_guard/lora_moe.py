@@ -312,9 +312,10 @@ def _expand_kernel(
     # Meta-parameters.
     TOPK: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    N_TILES: tl.constexpr,  # column tiles per program: the block's indices and ranks read once for all
 ):
     """``out[pair, half * half_width + n] += sum_r t[pair, half * max_rank + r] * B[adapter, expert, half *
-    half_width + n, r]`` (times the routed weight where asked); grid (blocks, halves * column tiles)."""
+    half_width + n, r]`` (times the routed weight where asked); grid (blocks, halves * column-tile groups)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(rows_used_ptr):  # one int32
         return
@@ -322,33 +323,38 @@ def _expand_kernel(
     adapter, expert = key // num_experts, key % num_experts
     rank = tl.load(ranks_ptr + adapter)  # adapter < slots: a block's key comes from a known slot
     tiles = tl.cdiv(half_width, BLOCK_N)
-    half = pid_n // tiles  # gate (0) or up (1) half of a gated gate-up; always 0 otherwise
-    offs_n = half * half_width + (pid_n % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < (half + 1) * half_width
+    groups = tl.cdiv(tiles, N_TILES)
+    half = pid_n // groups  # gate (0) or up (1) half of a gated gate-up; always 0 otherwise
 
     # The routing allocates whole blocks of rows: every row of this block exists (empty ones: num_pairs).
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pair_ok = pairs < num_pairs
     offs_r = tl.arange(0, BLOCK_R)
-    t_ptrs = t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :]
-    b_ptrs = (b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
-              + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br)
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):  # this half's own ranks, up to the adapter's true rank
-        r_ok = offs_r < rank - r0
-        t = tl.load(t_ptrs, mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(t.to(b.dtype), b)
-        t_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R * stride_br
     if MUL_ROUTED_WEIGHT:
-        acc *= tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+        routed = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+    b_base = b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+    o_rows = out_ptr + (pairs // TOPK)[:, None] * stride_ot + (pairs % TOPK)[:, None] * stride_ok
 
-    o_ptrs = out_ptr + (pairs // TOPK)[:, None] * stride_ot + (pairs % TOPK)[:, None] * stride_ok + offs_n[None, :] * stride_on
-    o_mask = pair_ok[:, None] & n_ok[None, :]
-    old = tl.load(o_ptrs, mask=o_mask, other=0.0)
-    tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
+    for j in range(N_TILES):
+        tile = (pid_n % groups) * N_TILES + j
+        offs_n = half * half_width + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < (half + 1) * half_width) & (tile < tiles)  # the last group may hold fewer tiles
+        t_ptrs = t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :]
+        b_ptrs = b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):  # this half's own ranks, up to the adapter's true rank
+            r_ok = offs_r < rank - r0
+            t = tl.load(t_ptrs, mask=pair_ok[:, None] & r_ok[None, :], other=0.0)  # again per tile: from cache
+            b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += tl.dot(t.to(b.dtype), b)
+            t_ptrs += BLOCK_R
+            b_ptrs += BLOCK_R * stride_br
+        if MUL_ROUTED_WEIGHT:
+            acc *= routed[:, None]
+        o_ptrs = o_rows + offs_n[None, :] * stride_on
+        o_mask = pair_ok[:, None] & n_ok[None, :]
+        old = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
 
 
 @dataclass(frozen=True)
@@ -364,6 +370,8 @@ class StageConfig:
     expand_block_r: int = 16
     expand_warps: int = 4
     expand_stages: int = 2
+    expand_n_tiles: int = 1
+    """Column tiles each expand program adds (the block's routing read once for all of them)."""
 
 
 _STAGE_FIELDS = tuple(f.name for f in fields(StageConfig))
@@ -430,13 +438,14 @@ def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Ro
     c = config
     half_width = out.shape[2] // halves
     weights = topk_weights.reshape(-1) if topk_weights is not None else t
-    _expand_kernel[(routing.max_blocks, halves * triton.cdiv(half_width, c.expand_block_n))](
+    groups = triton.cdiv(triton.cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
+    _expand_kernel[(routing.max_blocks, halves * groups)](
         t, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
         routing.num_pairs, half_width, routing.num_experts, max_rank,
         t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         TOPK=out.shape[1], MUL_ROUTED_WEIGHT=topk_weights is not None,
-        BLOCK_M=routing.block_m, BLOCK_N=c.expand_block_n, BLOCK_R=c.expand_block_r,
+        BLOCK_M=routing.block_m, BLOCK_N=c.expand_block_n, BLOCK_R=c.expand_block_r, N_TILES=c.expand_n_tiles,
         num_warps=c.expand_warps, num_stages=c.expand_stages,
     )
 

@@ -154,13 +154,16 @@ def test_sglangs_virtual_experts_path_is_wrong_on_gated_moe_only(runners, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_m, config", [
-    (16, lora_moe.StageConfig(split_k=2, shrink_block_k=64)),
-    (32, lora_moe.StageConfig(shrink_block_r=32, expand_block_r=32, expand_block_n=32)),
-], ids=["split-k", "block-32"])
-def test_tiles_and_routing_paths_agree_with_the_reference(runners, block_m, config, monkeypatch):
-    """Split K (atomic adds), wider rank tiles, 32-row blocks, and the four-launch routing of large batches."""
-    problem, info = make_case("mixed-ranks-top2", seed=3)
+@pytest.mark.parametrize("block_m, config, case", [
+    (16, lora_moe.StageConfig(split_k=2, shrink_block_k=64), "mixed-ranks-top2"),
+    (32, lora_moe.StageConfig(shrink_block_r=32, expand_block_r=32, expand_block_n=32), "mixed-ranks-top2"),
+    # 3 column tiles per expand program: widths 200 / 2 x 72 in tiles of 32 leave the last group part-empty.
+    (16, lora_moe.StageConfig(expand_block_n=32, expand_n_tiles=3), "odd-widths"),
+], ids=["split-k", "block-32", "column-tile-groups"])
+def test_tiles_and_routing_paths_agree_with_the_reference(runners, block_m, config, case, monkeypatch):
+    """Split K (atomic adds), wider rank tiles, 32-row blocks, several column tiles per expand program,
+    and the four-launch routing of large batches."""
+    problem, info = make_case(case, seed=3)
     reference = run_hooks(ReferenceLoRAHooks(info), problem, info)
     monkeypatch.setattr(lora_moe, "ONE_PROGRAM_PAIRS", 0)
     plan = tuning.Plan(block_m, config, config)
