@@ -15,16 +15,22 @@ RANK_SETS = {"mixed": (8, 16, 32, 64), "r16": (16, 16, 16, 16)}
 HBM_BYTES_PER_S = 4.3e12  # what an H200 streams in practice (FACTS.md section 3)
 
 
-def batches(shape_names, token_counts):
+def rank_set(name: str) -> tuple[int, ...]:
+    """A rank set by name: ``mixed``, or ``rN`` (four adapters of rank N)."""
+    return RANK_SETS.get(name) or (int(name.removeprefix("r")),) * 4
+
+
+def batches(shape_names, token_counts, rank_sets=None):
     """(shape name, shape, rank set, tokens, MoE weights) for every batch the LoRA MoE scripts run: each
-    shape with the mixed ranks, the GLM-5.1 shape also with all ranks 16; the weights made once a shape."""
+    shape with the mixed ranks, the GLM-5.1 shape also with all ranks 16 (or each shape with ``rank_sets``);
+    the weights made once a shape."""
     from benchmarks._bench import SHAPES
     from harness import tiny_moe
 
     for name in shape_names:
         shape = SHAPES[name]
         weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
-        for ranks_name in (("mixed", "r16") if name == "glm51-fp8-tp8" else ("mixed",)):
+        for ranks_name in rank_sets or (("mixed", "r16") if name == "glm51-fp8-tp8" else ("mixed",)):
             for tokens in token_counts:
                 yield name, shape, ranks_name, tokens, weights
         del weights
@@ -49,6 +55,7 @@ def cg_buffers(problem, loras: int) -> dict:
 
 
 def lora_info(problem, ranks, seed: int):
+    ranks = rank_set(ranks) if isinstance(ranks, str) else ranks
     adapters = real_lora.Adapters(ranks=ranks, enabled=(True,) * len(ranks))
     return real_lora.make_lora_info(problem, adapters, seed=seed, cg_buffers=cg_buffers(problem, len(ranks)))
 

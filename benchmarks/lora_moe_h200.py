@@ -30,7 +30,7 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir, run_meta
-from benchmarks._lora_setup import HBM_BYTES_PER_S, RANK_SETS, batches, floor_bytes, lora_info
+from benchmarks._lora_setup import HBM_BYTES_PER_S, batches, floor_bytes, lora_info
 from harness import real_lora, tables, tiny_moe
 from harness.reference import ReferenceLoRAHooks
 from sglang_lora_tma_guard import lora_path
@@ -66,7 +66,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     config, down_config, use_tma = lookup_configs(shape, tokens)
     problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
                                     dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config)
-    info = lora_info(problem, RANK_SETS[ranks_name], seed=tokens)
+    info = lora_info(problem, ranks_name, seed=tokens)
     ve_info = dataclasses.replace(info, lora_use_virtual_experts=True)
     builders = {
         "default": lambda: original(problem.hidden_states, info, problem.topk_ids),

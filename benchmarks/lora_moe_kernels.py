@@ -31,12 +31,16 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir, run_meta
-from benchmarks._lora_setup import HBM_BYTES_PER_S, RANK_SETS, batches, lora_info
+from benchmarks._lora_setup import HBM_BYTES_PER_S, batches, lora_info
 from harness import real_lora, tables, tiny_moe
 from sglang_lora_tma_guard import lora_moe, lora_path, tuning
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 BF16_FLOPS = 989e12  # H200 dense bf16 peak (NVIDIA's datasheet), for the FLOP side of the floors
+GRANULE = 64
+"""Bytes HBM moves at least per access (the hypothesis the ``granule`` floors test): SGLang's pool keeps each
+B as (rows, max_rank), rank innermost, so a rank-r row is a read of r * 2 bytes every max_rank * 2 bytes;
+rows of max_rank * 2 <= 64 bytes lie packed and are read whole."""
 KERNELS = ("route", "shrink_gu", "expand_gu", "shrink_dn", "expand_dn")
 
 
@@ -53,6 +57,14 @@ def traffic(info, ids, hidden_width: int, inter: int) -> dict:
     pairs, rank_sum = int(on.sum()), int(pair_rank.sum())  # pairs with a delta; their ranks summed
     keys = torch.unique(pair_slot * experts + ids.long()[on])
     key_rank_sum = int(ranks[keys // experts].sum())  # one (adapter, expert) in use: its rank
+    r_max = int(info.max_lora_rank)
+
+    def fetched(rank: int, size: int) -> int:  # one row of ``rank`` elements in a row of r_max, as HBM moves it
+        stride = r_max * size
+        return stride if stride <= GRANULE else min(stride, -(-rank * size // GRANULE) * GRANULE)
+
+    key_b_row = sum(fetched(int(rank), 2) for rank in ranks[keys // experts])  # a B row of each key
+    pair_t_row = sum(fetched(int(rank), 4) for rank in pair_rank)  # a pair's float32 ranks
     tokens_with_delta = int(on.any(dim=1).sum())
     bf16, f32, n2 = 2, 4, halves * inter  # gate-up width: gate and up halves
     out = {
@@ -68,7 +80,13 @@ def traffic(info, ids, hidden_width: int, inter: int) -> dict:
     fusable = (tokens_with_delta * hidden_width * bf16 + pairs * inter * bf16  # the shrinks' x and activation
                + 2 * pairs * (n2 + hidden_width) * bf16  # both outputs read and written again
                + 2 * rank_sum * (halves + 1) * f32)  # the ranks written and read back
-    return {"kernels": out, "weights_bytes": weights, "fusable_bytes": fusable, "pairs_with_delta": pairs}
+    granule = {  # the expands as fetched: B rows and t rows in whole granules
+        "expand_gu": (halves * pair_t_row + key_b_row * n2 + 2 * pairs * n2 * bf16, out["expand_gu"][1]),
+        "expand_dn": (pair_t_row + key_b_row * hidden_width + 2 * pairs * hidden_width * bf16 + pairs * f32,
+                      out["expand_dn"][1]),
+    }
+    return {"kernels": out, "granule": granule, "weights_bytes": weights, "fusable_bytes": fusable,
+            "pairs_with_delta": pairs}
 
 
 def floor_ms(nbytes: float, flops: float = 0.0) -> float:
@@ -82,7 +100,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     config, down_config, use_tma = lookup_configs(shape, tokens)
     problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
                                     dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config)
-    info = lora_info(problem, RANK_SETS[ranks_name], seed=tokens)
+    info = lora_info(problem, ranks_name, seed=tokens)
     hidden, ids, w = problem.hidden_states, problem.topk_ids, problem.topk_weights
     topk, r = ids.shape[1], int(info.max_lora_rank)
     ga, gb, da, db = (info.gate_up_lora_a_weights, info.gate_up_lora_b_weights,
@@ -130,6 +148,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
             nbytes, flops = moved["kernels"][kernel]
             row[f"floor_ms_{kernel}"] = floor_ms(nbytes, flops)
             row[f"tb_s_{kernel}"] = nbytes / (times[kernel] * 1e-3) / 1e12
+        if kernel in moved["granule"]:
+            row[f"granule_floor_ms_{kernel}"] = floor_ms(*moved["granule"][kernel])
     row["ms_kernels"] = sum(times[k] for k in KERNELS)
     row["floor_ms_weights"] = floor_ms(moved["weights_bytes"])
     row["floor_ms_fusable"] = floor_ms(moved["fusable_bytes"])
@@ -140,11 +160,13 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
 
 def markdown(rows, meta) -> str:
     ms = lambda v: f"{v:.3f}"  # noqa: E731
-    per_kernel = lambda r, k: f"{ms(r[f'ms_{k}'])} / {ms(r[f'floor_ms_{k}'])}"  # noqa: E731
+    per_kernel = lambda r, k: f"{ms(r[f'ms_{k}'])} / {ms(r[f'floor_ms_{k}'])}" + (  # noqa: E731
+        f" / {ms(r[f'granule_floor_ms_{k}'])}" if f"granule_floor_ms_{k}" in r else "")
     return "\n".join([
         f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. ms per call, "
         f"CUDA-graph replay, best of 5 x 50 (interleaved). Floors: bytes at {HBM_BYTES_PER_S / 1e12:.1f} TB/s or "
-        f"FLOPs at {BF16_FLOPS / 1e12:.0f} TFLOP/s, whichever is larger. Each kernel: measured / its floor. "
+        f"FLOPs at {BF16_FLOPS / 1e12:.0f} TFLOP/s, whichever is larger. Each kernel: measured / its floor (the "
+        f"expands also / their floor with B and rank rows read in {GRANULE}-byte granules). "
         "fusable: the traffic that exists only because LoRA runs beside the GEMMs, at HBM speed. "
         "fused floor: no hooks + the LoRA weights read once.",
         "",
@@ -160,14 +182,17 @@ def markdown(rows, meta) -> str:
 
 
 def main(argv=None) -> int:
-    args = benchmark_parser(__doc__, TOKENS).parse_args(argv)
+    parser = benchmark_parser(__doc__, TOKENS)
+    parser.add_argument("--rank-sets", nargs="+", default=None,
+                        help="mixed, or rN (four adapters of rank N); default mixed and r16 (GLM-5.1), mixed (others)")
+    args = parser.parse_args(argv)
     out = results_dir(args)
     prepare_sglang()
     from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
     meta = run_meta(hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS)
     rows = []
-    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
+    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens, args.rank_sets):
         t0 = time.perf_counter()
         rows.append(measure(model_capture_mode, name, shape, ranks_name, tokens, weights))
         print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)

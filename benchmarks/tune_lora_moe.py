@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 import torch
 
 from benchmarks._bench import benchmark_parser, capture, prepare_sglang, replay_times, results_dir
-from benchmarks._lora_setup import RANK_SETS, batches, lora_info
+from benchmarks._lora_setup import batches, lora_info
 from harness import tables, tiny_moe
 from sglang_lora_tma_guard import lora_moe, tuning
 from sglang_lora_tma_guard.lora_path import token_adapters
@@ -93,7 +93,7 @@ def tune_hook(routing, info, ranks, x, out, a, b, halves, topk, weights):
 def tune_batch(shape, ranks_name, tokens, weights):
     problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
                                     dtype=torch.bfloat16, weights=weights)
-    info = lora_info(problem, RANK_SETS[ranks_name], seed=tokens)
+    info = lora_info(problem, ranks_name, seed=tokens)
     topk_ids, (tok, topk) = problem.topk_ids, problem.topk_ids.shape
     ranks, enabled = info.lora_ranks, info.adapter_enabled
     experts, halves = info.gate_up_lora_b_weights.shape[1], 2
