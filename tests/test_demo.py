@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.real
 @pytest.mark.slow
 def test_the_demo_shows_every_cpu_defect_unguarded_and_answers_it_guarded():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "demo_defects.py")], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "scripts.demo_defects"], cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS" in proc.stdout and "ODD" not in proc.stdout

@@ -231,7 +231,7 @@ def target_report() -> Target:
 
 
 def _fallback_covers() -> str:
-    from .fallback import COVERED
+    from ..fallback import COVERED
 
     return COVERED
 
