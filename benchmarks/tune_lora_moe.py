@@ -41,7 +41,7 @@ def shrink_candidates(k: int, max_rank: int, num_pairs: int):
 def expand_candidates(max_rank: int):
     for block_n, block_r, warps in ((64, 16, 4), (64, 32, 4), (128, 16, 4), (128, 32, 8), (128, 64, 8), (256, 32, 8)):
         if block_r <= max(16, max_rank):
-            for n_tiles in (1, 4, 16):  # column tiles per program
+            for n_tiles in (1, 4, 16, 64):  # column tiles per program (64: a whole row of the output)
                 yield replace(BASE, expand_block_n=block_n, expand_block_r=block_r, expand_warps=warps,
                               expand_n_tiles=n_tiles)
 

@@ -313,6 +313,7 @@ def _expand_kernel(
     TOPK: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     N_TILES: tl.constexpr,  # column tiles per program: the block's indices and ranks read once for all
+    ONE_R_TILE: tl.constexpr,  # BLOCK_R >= max_rank: t read once, and the column loop is the pipelined one
 ):
     """``out[pair, half * half_width + n] += sum_r t[pair, half * max_rank + r] * B[adapter, expert, half *
     half_width + n, r]`` (times the routed weight where asked); grid (blocks, halves * column-tile groups)."""
@@ -335,26 +336,46 @@ def _expand_kernel(
     b_base = b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
     o_rows = out_ptr + (pairs // TOPK)[:, None] * stride_ot + (pairs % TOPK)[:, None] * stride_ok
 
-    for j in range(N_TILES):
-        tile = (pid_n % groups) * N_TILES + j
-        offs_n = half * half_width + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = (offs_n < (half + 1) * half_width) & (tile < tiles)  # the last group may hold fewer tiles
-        t_ptrs = t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :]
-        b_ptrs = b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):  # this half's own ranks, up to the adapter's true rank
-            r_ok = offs_r < rank - r0
-            t = tl.load(t_ptrs, mask=pair_ok[:, None] & r_ok[None, :], other=0.0)  # again per tile: from cache
-            b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc += tl.dot(t.to(b.dtype), b)
-            t_ptrs += BLOCK_R
-            b_ptrs += BLOCK_R * stride_br
-        if MUL_ROUTED_WEIGHT:
-            acc *= routed[:, None]
-        o_ptrs = o_rows + offs_n[None, :] * stride_on
-        o_mask = pair_ok[:, None] & n_ok[None, :]
-        old = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
+    if ONE_R_TILE:
+        # Every rank in one tile: this block's t once, then B and the output streamed tile after tile (the
+        # loop Triton software-pipelines: the next tile's loads in flight while this one is added).
+        r_ok = offs_r < rank
+        t = tl.load(t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
+                    mask=pair_ok[:, None] & r_ok[None, :], other=0.0).to(b_ptr.dtype.element_ty)
+        for j in range(N_TILES):
+            tile = (pid_n % groups) * N_TILES + j
+            offs_n = half * half_width + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = (offs_n < (half + 1) * half_width) & (tile < tiles)  # the last group may hold fewer tiles
+            b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                        mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(t, b)
+            if MUL_ROUTED_WEIGHT:
+                acc *= routed[:, None]
+            o_ptrs = o_rows + offs_n[None, :] * stride_on
+            o_mask = pair_ok[:, None] & n_ok[None, :]
+            old = tl.load(o_ptrs, mask=o_mask, other=0.0)
+            tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
+    else:
+        for j in range(N_TILES):
+            tile = (pid_n % groups) * N_TILES + j
+            offs_n = half * half_width + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = (offs_n < (half + 1) * half_width) & (tile < tiles)
+            t_ptrs = t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :]
+            b_ptrs = b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):  # this half's own ranks, up to the adapter's true rank
+                r_ok = offs_r < rank - r0
+                t = tl.load(t_ptrs, mask=pair_ok[:, None] & r_ok[None, :], other=0.0)  # again per tile: cached
+                b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                acc += tl.dot(t.to(b.dtype), b)
+                t_ptrs += BLOCK_R
+                b_ptrs += BLOCK_R * stride_br
+            if MUL_ROUTED_WEIGHT:
+                acc *= routed[:, None]
+            o_ptrs = o_rows + offs_n[None, :] * stride_on
+            o_mask = pair_ok[:, None] & n_ok[None, :]
+            old = tl.load(o_ptrs, mask=o_mask, other=0.0)
+            tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
 
 
 @dataclass(frozen=True)
@@ -446,6 +467,7 @@ def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Ro
         out.stride(0), out.stride(1), out.stride(2),
         TOPK=out.shape[1], MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=routing.block_m, BLOCK_N=c.expand_block_n, BLOCK_R=c.expand_block_r, N_TILES=c.expand_n_tiles,
+        ONE_R_TILE=c.expand_block_r >= max_rank,
         num_warps=c.expand_warps, num_stages=c.expand_stages,
     )
 

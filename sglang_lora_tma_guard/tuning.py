@@ -78,8 +78,8 @@ def plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: in
         return Plan(entry["block_m"], _stage(entry["gate_up"]), _stage(entry["down"]))
     keys = loras * experts
     return Plan(rule_block_m(num_pairs, keys),
-                rule_of_thumb(num_pairs, keys, hidden, max_rank),
-                rule_of_thumb(num_pairs, keys, intermediate, max_rank))
+                rule_of_thumb(num_pairs, keys, hidden, max_rank, width=intermediate),
+                rule_of_thumb(num_pairs, keys, intermediate, max_rank, width=hidden))
 
 
 def rule_block_m(num_pairs: int, num_keys: int) -> int:
@@ -96,7 +96,9 @@ def programs_to_fill() -> int:
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def rule_of_thumb(num_pairs: int, num_keys: int, k: int, max_rank: int) -> StageConfig:
+def rule_of_thumb(num_pairs: int, num_keys: int, k: int, max_rank: int, width: int | None = None) -> StageConfig:
+    """Tiles for a shape the data does not hold. ``k``: the shrink's K (hidden for gate-up, the
+    intermediate for down); ``width``: the expand's output width (``k``'s counterpart; ``k`` if not given)."""
     fill = programs_to_fill()
     block_r = 16 if num_pairs <= 1024 else 32
     rank_tiles = -(-max_rank // block_r)  # a gated shrink computes both halves' tiles in one program
@@ -105,5 +107,10 @@ def rule_of_thumb(num_pairs: int, num_keys: int, k: int, max_rank: int) -> Stage
     split_k = 1
     if blocks * rank_tiles < fill:
         split_k = max(1, min(k // (4 * block_k), fill // (blocks * rank_tiles)))
+    # The expand: every rank in one tile where it fits (t read once, the column loop pipelined), and as
+    # many column tiles per program as still leaves twice the programs that fill the GPU.
+    expand_r = min(64, max(16, 1 << (max_rank - 1).bit_length()))
+    tiles = -(-(width or k) // 64)  # per half of a gated gate-up: its grid holds both
+    n_tiles = max(1, min(16, tiles * blocks // (2 * fill)))
     return StageConfig(shrink_block_r=block_r, shrink_block_k=block_k, split_k=split_k,
-                       expand_block_n=64, expand_block_r=min(32, block_r))
+                       expand_block_n=64, expand_block_r=expand_r, expand_n_tiles=n_tiles)

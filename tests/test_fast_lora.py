@@ -159,7 +159,9 @@ def test_sglangs_virtual_experts_path_is_wrong_on_gated_moe_only(runners, name):
     (32, lora_moe.StageConfig(shrink_block_r=32, expand_block_r=32, expand_block_n=32), "mixed-ranks-top2"),
     # 3 column tiles per expand program: widths 200 / 2 x 72 in tiles of 32 leave the last group part-empty.
     (16, lora_moe.StageConfig(expand_block_n=32, expand_n_tiles=3), "odd-widths"),
-], ids=["split-k", "block-32", "column-tile-groups"])
+    # Every rank in one tile (64): t read once per program, the column loop the pipelined one.
+    (16, lora_moe.StageConfig(expand_block_r=64, expand_block_n=32, expand_n_tiles=3), "odd-widths"),
+], ids=["split-k", "block-32", "column-tile-groups", "one-rank-tile"])
 def test_tiles_and_routing_paths_agree_with_the_reference(runners, block_m, config, case, monkeypatch):
     """Split K (atomic adds), wider rank tiles, 32-row blocks, several column tiles per expand program,
     and the four-launch routing of large batches."""
