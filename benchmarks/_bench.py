@@ -19,14 +19,21 @@ SHAPES = {
     # Two more shapes whose tuned H200 down configs say USE_TMA (hidden sizes chosen here).
     "e80-n640": dict(E=80, N=640, K=4096, topk=8),
     "e513-n512": dict(E=513, N=512, K=4096, topk=8),
+    # Qwen3-30B-A3B (128 experts, moe_intermediate 768, hidden 2048, top-8) at tensor parallel 1, 2 and 4:
+    # shapes for the fast LoRA MoE path's tiles (SGLang's tuned configs for them do not say USE_TMA).
+    "qwen3-30b-tp1": dict(E=128, N=768, K=2048, topk=8),
+    "qwen3-30b-tp2": dict(E=128, N=384, K=2048, topk=8),
+    "qwen3-30b-tp4": dict(E=128, N=192, K=2048, topk=8),
 }
+TMA_SHAPES = ["glm51-fp8-tp8", "e80-n640", "e513-n512"]
+"""The shapes the TMA benchmarks default to."""
 
 
 def benchmark_parser(doc: str, tokens: list[int], shapes: bool = True) -> argparse.ArgumentParser:
     """The options every H200 benchmark takes: --tokens, --out (default $OUT or results), --shapes."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     if shapes:
-        parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+        parser.add_argument("--shapes", nargs="+", default=TMA_SHAPES, choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=tokens)
     parser.add_argument("--out", default=os.environ.get("OUT", "results"), type=Path)
     return parser
