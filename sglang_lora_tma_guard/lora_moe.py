@@ -337,31 +337,20 @@ def _expand_kernel(
     o_rows = out_ptr + (pairs // TOPK)[:, None] * stride_ot + (pairs % TOPK)[:, None] * stride_ok
 
     if ONE_R_TILE:
-        # Every rank in one tile: this block's t once, then B and the output streamed tile after tile (the
-        # loop Triton software-pipelines: the next tile's loads in flight while this one is added).
+        # Every rank in one tile: this block's t once; the column loop below then has no inner loop, and
+        # Triton software-pipelines it (the next tile's B and output in flight while this one is added).
         r_ok = offs_r < rank
         t = tl.load(t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
                     mask=pair_ok[:, None] & r_ok[None, :], other=0.0).to(b_ptr.dtype.element_ty)
-        for j in range(N_TILES):
-            tile = (pid_n % groups) * N_TILES + j
-            offs_n = half * half_width + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = (offs_n < (half + 1) * half_width) & (tile < tiles)  # the last group may hold fewer tiles
-            b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                        mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(t, b)
-            if MUL_ROUTED_WEIGHT:
-                acc *= routed[:, None]
-            o_ptrs = o_rows + offs_n[None, :] * stride_on
-            o_mask = pair_ok[:, None] & n_ok[None, :]
-            old = tl.load(o_ptrs, mask=o_mask, other=0.0)
-            tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
-    else:
-        for j in range(N_TILES):
-            tile = (pid_n % groups) * N_TILES + j
-            offs_n = half * half_width + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = (offs_n < (half + 1) * half_width) & (tile < tiles)
+    for j in range(N_TILES):
+        tile = (pid_n % groups) * N_TILES + j
+        offs_n = half * half_width + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < (half + 1) * half_width) & (tile < tiles)  # the last group may hold fewer tiles
+        b_ptrs = b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
+        if ONE_R_TILE:
+            acc = tl.dot(t, tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0))
+        else:
             t_ptrs = t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :]
-            b_ptrs = b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for r0 in range(0, rank, BLOCK_R):  # this half's own ranks, up to the adapter's true rank
                 r_ok = offs_r < rank - r0
@@ -370,12 +359,12 @@ def _expand_kernel(
                 acc += tl.dot(t.to(b.dtype), b)
                 t_ptrs += BLOCK_R
                 b_ptrs += BLOCK_R * stride_br
-            if MUL_ROUTED_WEIGHT:
-                acc *= routed[:, None]
-            o_ptrs = o_rows + offs_n[None, :] * stride_on
-            o_mask = pair_ok[:, None] & n_ok[None, :]
-            old = tl.load(o_ptrs, mask=o_mask, other=0.0)
-            tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
+        if MUL_ROUTED_WEIGHT:
+            acc *= routed[:, None]
+        o_ptrs = o_rows + offs_n[None, :] * stride_on
+        o_mask = pair_ok[:, None] & n_ok[None, :]
+        old = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
 
 
 @dataclass(frozen=True)
