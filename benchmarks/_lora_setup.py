@@ -7,6 +7,10 @@ backend sizes them, and the weight bytes a batch's LoRA deltas must read at leas
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import dataclass
+
 import torch
 
 from harness import real_lora
@@ -79,3 +83,55 @@ def floor_bytes(info, topk_ids) -> tuple[int, int]:
     true = sum(c * per_rank * rk for c, rk, on in zip(counts, ranks, enabled) if on and rk)
     padded = sum(c * per_rank * r for c, rk, on in zip(counts, ranks, enabled) if on and rk)
     return true, padded
+
+
+@dataclass
+class LoRABatch:
+    """One batch of a LoRA MoE benchmark: the problem (SGLang's configs for its size), its ``LoRAInfo``, and
+    fixed buffers for the hooks alone (an activation, the gate-up and down outputs)."""
+
+    problem: object
+    info: object
+    use_tma: bool
+    act: torch.Tensor
+    cache1: torch.Tensor
+    cache3: torch.Tensor
+
+
+def lora_batch(shape: dict, ranks_name: str, tokens: int, weights) -> LoRABatch:
+    from benchmarks._bench import lookup_configs
+    from harness import tiny_moe
+
+    config, down_config, use_tma = lookup_configs(shape, tokens)
+    problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
+                                    dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config)
+    info = lora_info(problem, ranks_name, seed=tokens)
+    hidden, topk = problem.hidden_states, shape["topk"]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    act = (torch.randn(tokens * topk, info.down_lora_a_weights.shape[3], generator=gen, device="cuda") * 0.5)
+    return LoRABatch(problem, info, use_tma, act.to(hidden.dtype),
+                     torch.zeros(tokens, topk, info.gate_up_lora_b_weights.shape[2], dtype=hidden.dtype, device="cuda"),
+                     torch.zeros(tokens, topk, hidden.shape[1], dtype=hidden.dtype, device="cuda"))
+
+
+def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
+    """Every batch of ``args`` through ``measure(capture_mode, name, shape, ranks, tokens, weights)``, the
+    rows written to ``STEM.json`` and ``STEM.md`` under ``--out`` after each (a run cut short keeps them)."""
+    import sglang_lora_tma_guard as guard
+    from benchmarks._bench import prepare_sglang, results_dir, run_meta
+
+    out = results_dir(args)
+    prepare_sglang()
+    from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
+
+    meta = run_meta(**meta_extra)
+    rows = []
+    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens, getattr(args, "rank_sets", None)):
+        t0 = time.perf_counter()
+        rows.append(measure(model_capture_mode, name, shape, ranks_name, tokens, weights))
+        print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (out / f"{stem}.md").write_text(markdown(rows, meta))
+    guard.deactivate()
+    print(markdown(rows, meta))
+    return 0

@@ -22,16 +22,14 @@ Writes ``lora_moe_h200.json`` / ``.md`` under ``--out``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
-import time
 
 import torch
 
 import sglang_lora_tma_guard as guard
-from benchmarks._bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir, run_meta
-from benchmarks._lora_setup import HBM_BYTES_PER_S, batches, floor_bytes, lora_info
-from harness import real_lora, tables, tiny_moe
+from benchmarks._bench import benchmark_parser, capture, replay_times
+from benchmarks._lora_setup import HBM_BYTES_PER_S, floor_bytes, lora_batch, run_batches
+from harness import real_lora, tables
 from harness.reference import ReferenceLoRAHooks
 from sglang_lora_tma_guard import lora_path
 
@@ -63,10 +61,9 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     from sglang.srt.lora import lora_moe_runners as runners
 
     original = runners.build_lora_hooks
-    config, down_config, use_tma = lookup_configs(shape, tokens)
-    problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
-                                    dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config)
-    info = lora_info(problem, ranks_name, seed=tokens)
+    batch = lora_batch(shape, ranks_name, tokens, weights)
+    problem, info, use_tma, act, c1, c3 = (batch.problem, batch.info, batch.use_tma, batch.act, batch.cache1,
+                                           batch.cache3)
     ve_info = dataclasses.replace(info, lora_use_virtual_experts=True)
     builders = {
         "default": lambda: original(problem.hidden_states, info, problem.topk_ids),
@@ -74,12 +71,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
         "ve": lambda: original(problem.hidden_states, ve_info, problem.topk_ids),
     }
     hidden, ids, w = problem.hidden_states, problem.topk_ids, problem.topk_weights
-    topk = ids.shape[1]
-    width1, inter, width3 = info.gate_up_lora_b_weights.shape[2], info.down_lora_a_weights.shape[3], hidden.shape[1]
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    act = (torch.randn(tokens * topk, inter, generator=gen, device="cuda") * 0.5).to(hidden.dtype)
-    c1 = torch.zeros(tokens, topk, width1, dtype=hidden.dtype, device="cuda")
-    c3 = torch.zeros(tokens, topk, width3, dtype=hidden.dtype, device="cuda")
+    width1, width3 = c1.shape[2], c3.shape[2]
 
     def whole(kind):
         return real_lora.run_runner(problem, builders[kind]() if kind != "nohook" else None, use_tma=use_tma)
@@ -149,22 +141,7 @@ def markdown(rows, meta) -> str:
 
 
 def main(argv=None) -> int:
-    args = benchmark_parser(__doc__, TOKENS).parse_args(argv)
-    out = results_dir(args)
-    prepare_sglang()
-    from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
-
-    meta = run_meta()
-    rows = []
-    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
-        t0 = time.perf_counter()
-        rows.append(measure(model_capture_mode, name, shape, ranks_name, tokens, weights))
-        print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
-        (out / "lora_moe_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (out / "lora_moe_h200.md").write_text(markdown(rows, meta))
-    guard.deactivate()
-    print(markdown(rows, meta))
-    return 0
+    return run_batches(benchmark_parser(__doc__, TOKENS).parse_args(argv), "lora_moe_h200", measure, markdown)
 
 
 if __name__ == "__main__":

@@ -23,16 +23,14 @@ call is the hook-less call plus the LoRA weights read once. Writes ``lora_moe_ke
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 
 import torch
 
 import sglang_lora_tma_guard as guard
-from benchmarks._bench import benchmark_parser, capture, lookup_configs, prepare_sglang, replay_times, results_dir, run_meta
-from benchmarks._lora_setup import HBM_BYTES_PER_S, batches, lora_info
-from harness import real_lora, tables, tiny_moe
+from benchmarks._bench import benchmark_parser, capture, replay_times
+from benchmarks._lora_setup import HBM_BYTES_PER_S, lora_batch, run_batches
+from harness import real_lora, tables
 from sglang_lora_tma_guard import lora_moe, lora_path, tuning
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
@@ -97,20 +95,15 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     from sglang.srt.lora import lora_moe_runners as runners
 
     original = runners.build_lora_hooks
-    config, down_config, use_tma = lookup_configs(shape, tokens)
-    problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
-                                    dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config)
-    info = lora_info(problem, ranks_name, seed=tokens)
+    batch = lora_batch(shape, ranks_name, tokens, weights)
+    problem, info, use_tma, act, c1, c3 = (batch.problem, batch.info, batch.use_tma, batch.act, batch.cache1,
+                                           batch.cache3)
     hidden, ids, w = problem.hidden_states, problem.topk_ids, problem.topk_weights
     topk, r = ids.shape[1], int(info.max_lora_rank)
     ga, gb, da, db = (info.gate_up_lora_a_weights, info.gate_up_lora_b_weights,
                       info.down_lora_a_weights, info.down_lora_b_weights)
-    width1, inter, width3 = gb.shape[2], da.shape[3], hidden.shape[1]
+    inter, width3 = da.shape[3], hidden.shape[1]
     halves = 2 if lora_path.is_gated(info) else 1
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    act = (torch.randn(tokens * topk, inter, generator=gen, device="cuda") * 0.5).to(hidden.dtype)
-    c1 = torch.zeros(tokens, topk, width1, dtype=hidden.dtype, device="cuda")
-    c3 = torch.zeros(tokens, topk, width3, dtype=hidden.dtype, device="cuda")
     ranks, enabled = info.lora_ranks.to(torch.int32), info.adapter_enabled.to(torch.int32)
     slots = lora_path.token_adapters(info, tokens)
     tiles = tuning.plan(tokens * topk, width3, inter, gb.shape[1], ranks.numel(), r)
@@ -185,22 +178,8 @@ def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, TOKENS)
     parser.add_argument("--rank-sets", nargs="+", default=None,
                         help="mixed, or rN (four adapters of rank N); default mixed and r16 (GLM-5.1), mixed (others)")
-    args = parser.parse_args(argv)
-    out = results_dir(args)
-    prepare_sglang()
-    from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
-
-    meta = run_meta(hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS)
-    rows = []
-    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens, args.rank_sets):
-        t0 = time.perf_counter()
-        rows.append(measure(model_capture_mode, name, shape, ranks_name, tokens, weights))
-        print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
-        (out / "lora_moe_kernels.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (out / "lora_moe_kernels.md").write_text(markdown(rows, meta))
-    guard.deactivate()
-    print(markdown(rows, meta))
-    return 0
+    return run_batches(parser.parse_args(argv), "lora_moe_kernels", measure, markdown,
+                       hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS)
 
 
 if __name__ == "__main__":
