@@ -76,8 +76,9 @@ def layer(cpu, guarded: bool, topk: int = 2, **options):
 
 def rows(cpu, model: str) -> list[tuple[str, str, str, bool]]:
     """(defect, unguarded, guarded, as expected)."""
-    import defect_probes
     import torch
+
+    from scripts import defect_probes
 
     found = []
     off, on = launcher(False), launcher(True)
