@@ -111,10 +111,9 @@ def moe_layer(experts: int = 4, topk: int = 2, hidden: int = 64, intermediate: i
     return layer
 
 
-def lora_manager(layers, target_modules=("gate_up_proj", "down_proj")):
-    """SGLang's ``LoRAManager`` over a model whose decoder layers have these MoE layers."""
-    from sglang.srt.lora.lora_manager import LoRAManager
-
+def model_over(layers) -> torch.nn.Module:
+    """A stand-in model whose decoder layer ``i`` has ``layers[i]`` as ``mlp.experts`` (where SGLang's LoRA
+    manager looks for MoE layers)."""
     model = torch.nn.Module()
     model.model = torch.nn.Module()
     model.model.layers = torch.nn.ModuleList()
@@ -123,6 +122,14 @@ def lora_manager(layers, target_modules=("gate_up_proj", "down_proj")):
         block.mlp = torch.nn.Module()
         block.mlp.experts = layer
         model.model.layers.append(block)
+    return model
+
+
+def lora_manager(layers, target_modules=("gate_up_proj", "down_proj")):
+    """SGLang's ``LoRAManager`` over a model whose decoder layers have these MoE layers."""
+    from sglang.srt.lora.lora_manager import LoRAManager
+
+    model = model_over(layers)
     manager = LoRAManager.__new__(LoRAManager)
     manager.base_model = model
     manager.base_hf_config = SimpleNamespace(num_hidden_layers=len(layers))
@@ -358,15 +365,8 @@ def real_manager(adapters: dict, *, layers: int = 2, experts: int = 4, hidden: i
     args = scheduler()
     moe = [moe_layer(experts, topk=topk, hidden=hidden, intermediate=intermediate, layer_id=i, seed=i)
            for i in range(layers)]
-    model = torch.nn.Module()
+    model = model_over(moe)
     model.config = model_config(layers, experts, hidden, intermediate, topk)
-    model.model = torch.nn.Module()
-    model.model.layers = torch.nn.ModuleList()
-    for layer in moe:
-        block = torch.nn.Module()
-        block.mlp = torch.nn.Module()
-        block.mlp.experts = layer
-        model.model.layers.append(block)
     refs = {name: LoRARef(lora_name=name, lora_path=str(path), pinned=False) for name, path in adapters.items()}
     manager = LoRAManager(model, model.config, max_loras_per_batch=max_loras, load_config=LoadConfig(),
                           dtype=torch.float16, server_args=args, lora_backend="triton", max_lora_rank=rank,
