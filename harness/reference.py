@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_lora_tma_guard import fallback
+from sglang_lora_tma_guard import fallback, moe_gemm
 
 
 @triton.jit
@@ -54,10 +54,11 @@ def reference_moe(args: dict, to_fp8=None) -> torch.Tensor:
         if not fp8:
             return x.float()
         gk = args["block_shape"][1]
-        groups = x.float().view(x.shape[0], -1, gk)
-        scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=fallback.QUANT_EPS) / fallback.FP8_MAX
-        q = to_fp8((groups * (1.0 / scale)).clamp(-fallback.FP8_MAX, fallback.FP8_MAX)).float()
-        return (q * scale).view_as(x)
+        padded = torch.nn.functional.pad(x.float(), (0, -x.shape[1] % gk))  # a last group may be partial
+        groups = padded.view(x.shape[0], -1, gk)
+        scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=moe_gemm.QUANT_EPS) / moe_gemm.FP8_MAX
+        q = to_fp8((groups * (1.0 / scale)).clamp(-moe_gemm.FP8_MAX, moe_gemm.FP8_MAX)).float()
+        return (q * scale).view_as(padded)[:, : x.shape[1]]
 
     def expert_gemm(a_rows, w, bias, ids):
         out = torch.zeros(a_rows.shape[0], w.shape[1])

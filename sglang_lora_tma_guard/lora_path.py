@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from enum import Enum
 
+from . import fused_lora
 from .log import logger
 from .patching import LOCK, Engaged, Patch
 
@@ -124,9 +125,14 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
     r, halves = int(lora_info.max_lora_rank), 2 if is_gated(lora_info) else 1
     tiles = tuning.plan(tokens * topk, hidden_states.shape[1], lora_info.down_lora_a_weights.shape[3], experts,
                         ranks.numel(), r)
-    routing = lora_moe.route(topk_ids, token_adapters(lora_info, tokens), enabled, ranks, experts, tiles.block_m)
+    token_lora = token_adapters(lora_info, tokens)
+    routing = lora_moe.route(topk_ids, token_lora, enabled, ranks, experts, tiles.block_m)
     shape = tuple(topk_ids.shape)
     theirs = []
+    down_work = None
+    if fused_lora.ready():
+        down_work = fused_lora.DownWork(topk_ids, lora_info.down_lora_a_weights, lora_info.down_lora_b_weights,
+                                        routing, token_lora, enabled, ranks, r, tiles.down)
 
     def sglang_hooks():  # built only if a call comes with buffers this batch's routing does not fit
         if not theirs:
@@ -144,8 +150,12 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
             return sglang_hooks().after_gate_up(hidden, cache1, topk_weights, topk_ids_now)
         lora_moe.add_delta(cache1, hidden, lora_info.gate_up_lora_a_weights, lora_info.gate_up_lora_b_weights,
                            routing, ranks, max_rank=r, halves=halves, config=tiles.gate_up)
+        if down_work is not None:
+            fused_lora.offer(down_work)  # the down launch that follows may add the down delta itself
 
     def after_down(activation, cache3, topk_weights, topk_ids_now):
+        if down_work is not None and down_work.took(cache3):
+            return  # the down GEMM added it in its epilogue
         if (tuple(topk_ids_now.shape) != shape or cache3.shape[2] != lora_info.down_lora_b_weights.shape[2]
                 or not fits(activation, cache3, tokens * topk, lora_info.down_lora_a_weights.shape[3])):
             _say_once("a down call whose buffers differ from its batch's")
@@ -251,6 +261,10 @@ def activate(mode: Mode) -> None:
         logger.exception("unknown LoRA MoE mode %r; SGLang's hooks are used", mode)
         return
     PATCH.activate()
+    if _state.mode is Mode.FAST:
+        fused_lora.activate()
+    else:
+        fused_lora.deactivate()
 
 
 def deactivate() -> None:
@@ -258,6 +272,7 @@ def deactivate() -> None:
     with LOCK:
         _state.mode = None
     PATCH.deactivate()
+    fused_lora.deactivate()
 
 
 def bypassed_by(server_args) -> str | None:

@@ -194,6 +194,33 @@ def test_fast_switch_puts_the_fast_hooks_in_sglangs_runner(sglang_plugins, runne
     assert tiny_moe.rel_err(output, expected_moe(problem, None)) > 0.1
 
 
+# The tiny MoE is gated, and SGLang's block-fp8 quantizer takes no partial K group: odd widths and an
+# un-gated gate-up are the kernel's own test (tests/test_fused_lora.py) and the hooks' test above.
+@pytest.mark.parametrize("name", [p for p in case_params() if p.values[0] not in ("ungated", "odd-widths")])
+def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, runners, name, monkeypatch):
+    """With ``=fast`` the down GEMM of a hooked call is this package's, the down delta in its epilogue
+    (``fused_lora``): taken in SGLang's own runner, the whole call as right as the unfused fast path
+    (the float32 reference MoE; tolerance as above, on outputs of size about 1), and the hook adds
+    nothing twice. Off, the same call goes through SGLang's down GEMM and the hook."""
+    from sglang_lora_tma_guard import fused_lora
+
+    problem, info = make_case(name, seed=1)
+    taken = []
+    run = fused_lora.DownWork.run
+    monkeypatch.setattr(fused_lora.DownWork, "run", lambda self, a: taken.append(a["C"].shape) or run(self, a))
+    reference = expected_moe(problem, ReferenceLoRAHooks(info))
+    sglang_plugins("fast")
+    assert fused_lora.PATCH.status().working
+    fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    assert taken == [(TOKENS, CASES[name].topk, problem.w2.shape[1])]
+    fused_lora.deactivate()
+    unfused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    assert len(taken) == 1
+    fused_err, unfused_err = tiny_moe.rel_err(fused, reference), tiny_moe.rel_err(unfused, reference)
+    assert fused_err < 1e-2 and fused_err <= unfused_err + ONE_FP16_STEP, (fused_err, unfused_err)
+    assert tiny_moe.rel_err(fused, expected_moe(problem, None)) > 0.05  # the adapters do change the output
+
+
 def test_guard_corrects_sglangs_virtual_experts_path(sglang_plugins, runners):
     """``--lora-use-virtual-experts`` on a gated MoE: wrong without the guard, right with ``=1``."""
     problem, info = make_case("mixed-ranks-top2", seed=2)

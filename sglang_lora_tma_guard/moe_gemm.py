@@ -1,0 +1,281 @@
+"""This package's route-major expert GEMM, and the per-group fp8 quantization of its input.
+
+One expert GEMM over SGLang's own expert-sorted route list (``sorted_token_ids`` / ``expert_ids``,
+blocks of ``BLOCK_M`` routes of one expert), each result row stored at its route index: the layout
+SGLang's LoRA hooks index. Used by the fallback sequence (:mod:`~sglang_lora_tma_guard.fallback`)
+and by the fused LoRA launch (:mod:`~sglang_lora_tma_guard.fused_lora`), which adds each route's
+LoRA expand in the epilogue::
+
+    C[route, n] = routed weight * (sum_k A[route's row, k] * W[expert, n, k]
+                                   + sum_r t[route, r] * B[adapter, expert, n, r])
+
+where ``t`` holds the route's LoRA ranks (the shrink, computed before the launch), ``adapter`` is the
+route's token's slot and ``r`` runs to that adapter's true rank. Rows of one block may belong to
+several adapters: the epilogue adds one small GEMM per adapter present in the block, its rows
+selected, the others zero (no delta for the base model's tokens, disabled slots, slots of rank 0,
+or experts the LoRA buffers do not hold, such as a fused shared expert).
+
+With block-wise fp8 weights the GEMM input is quantized per row and 128-wide K group, as SGLang
+quantizes it (scale = max(|x|) / 448), and one K tile is one quantization group. Expert id -1
+(filtered out under expert parallelism) gives zero rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+QUANT_EPS = 1e-10
+
+# The fp8 quantization of GEMM inputs, as SGLang does it: scale = max(|x|, QUANT_EPS) / FP8_MAX.
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_QUANT_EPS = tl.constexpr(QUANT_EPS)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    # Pointers. A (rows, K): the GEMM's input, one row per token (gate-up) or per route (down);
+    # A_SCALE (rows, K / BLOCK_K) fp32 with FP8; B (E, N, K): the experts' weights; C (R, N): the
+    # route-major output, R = tokens * topk; BIAS (E, N); B_SCALE (E, N / SCALE_BLOCK_N, K / BLOCK_K)
+    # fp32 with FP8; TOPK_WEIGHTS (R,); SGLang's route list: SORTED_IDS (S,) route ids padded with R,
+    # EXPERT_IDS (S / BLOCK_M,) one expert (or -1) per block, NUM_POST_PADDED (1,) the blocks used.
+    a_ptr, a_scale_ptr, b_ptr, c_ptr, bias_ptr, b_scale_ptr, topk_weights_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    # With LORA: T (R, halves * max_rank) float32 ranks; LORA_B (slots, experts or 1, N, max_rank);
+    # TOKEN_LORA (tokens,) each token's slot, -1: none; ENABLED, RANKS (slots,) int32.
+    t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+    # Sizes: N, K of the weights; R routes; S entries of the padded route list; with LORA the slots,
+    # the experts the LoRA buffers hold, the columns of one half (N, or N / 2 for a gated gate-up) and
+    # the rank stride between halves in T.
+    N, K, num_routes, num_sorted, num_slots, lora_experts, half_width, max_rank,
+    # Strides, in elements.
+    stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_bias_e, stride_bias_n, stride_se, stride_sn, stride_sk,
+    stride_tm, stride_ll, stride_le, stride_ln, stride_lr,
+    # Meta-parameters: routes that share one A row (topk for gate-up, 1 for down); routes per token
+    # (topk); the fp8 scale block along N; the tile (BLOCK_M = the route list's block size; with FP8,
+    # BLOCK_K = one K quantization group; BLOCK_R >= max_rank); GROUP_M, the L2 swizzle of output tiles.
+    ROUTES_PER_A_ROW: tl.constexpr, TOPK: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr,
+):
+    """C[route, n] = sum_k A[route // ROUTES_PER_A_ROW, k] * B[expert(route), n, k], route-major,
+    plus the route's LoRA expand with LORA (before the bias and the routed weight).
+
+    With FP8, A holds fp8 values quantized per row and K group, their scales in A_SCALE.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_sorted, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: neighbouring programs share an expert's weight columns in L2.
+    group = pid // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_rows)
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    # The grid covers the largest possible route list; this batch may use fewer blocks.
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    routes = tl.load(sorted_ids_ptr + offs_m, mask=offs_m < num_sorted, other=num_routes).to(tl.int64)
+    route_ok = routes < num_routes
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    c_ptrs = c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = route_ok[:, None] & n_ok[None, :]
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert == -1:
+        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        return
+
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = routes // ROUTES_PER_A_ROW
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    if FP8:
+        s_ptrs = b_scale_ptr + expert * stride_se + (offs_n // SCALE_BLOCK_N) * stride_sn
+        as_ptrs = a_scale_ptr + a_rows * stride_asm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k_tile * BLOCK_K
+        a = tl.load(a_ptrs, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            # One K tile is one quantization group of A and of B.
+            a_scale = tl.load(as_ptrs + k_tile * stride_ask, mask=route_ok, other=0.0)
+            b_scale = tl.load(s_ptrs + k_tile * stride_sk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        else:
+            acc = tl.dot(a, b, acc=acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if LORA:
+        acc = _lora_epilogue(acc, routes, route_ok, expert, offs_n, n_ok, pid_n * BLOCK_N,
+                             t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+                             num_slots, lora_experts, half_width, max_rank,
+                             stride_tm, stride_ll, stride_le, stride_ln, stride_lr, TOPK, BLOCK_R)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n * stride_bias_n, mask=n_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if MUL_ROUTED_WEIGHT:
+        weight = tl.load(topk_weights_ptr + routes, mask=route_ok, other=0.0)
+        acc *= weight.to(tl.float32)[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _lora_epilogue(acc, routes, route_ok, expert, offs_n, n_ok, first_n,
+                   t_ptr, b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+                   num_slots, lora_experts, half_width, max_rank,
+                   stride_tm, stride_bl, stride_be, stride_bn, stride_br,
+                   TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``acc[row] += t[route, half's ranks] @ B[adapter, expert, tile columns].T`` for each row whose
+    adapter has a delta here: one GEMM per adapter present in the block (the tile lies in one half)."""
+    slot = tl.load(token_lora_ptr + routes // TOPK, mask=route_ok, other=-1)
+    known = route_ok & (slot >= 0) & (slot < num_slots) & (expert < lora_experts)
+    slot = tl.where(known, slot, 0)
+    rank = tl.load(ranks_ptr + slot, mask=known, other=0)
+    wanted = known & (tl.load(enabled_ptr + slot, mask=known, other=0) != 0) & (rank > 0)
+    if tl.max(wanted.to(tl.int32), 0) > 0:
+        half = first_n // half_width  # gate (0) or up (1) half of a gated gate-up; 0 otherwise
+        offs_r = tl.arange(0, BLOCK_R)
+        # Each row's own ranks only: the shrink writes no others (and the buffer is not cleared).
+        t = tl.load(t_ptr + routes[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
+                    mask=wanted[:, None] & (offs_r[None, :] < rank[:, None]), other=0.0)
+        t = t.to(b_ptr.dtype.element_ty)
+        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
+        for s in range(num_slots):
+            mine = wanted & (slot == s)
+            if tl.max(mine.to(tl.int32), 0) > 0:  # this adapter has rows in the block
+                b = tl.load(b_ptrs + s * stride_bl, mask=(offs_r[:, None] < tl.load(ranks_ptr + s)) & n_ok[None, :],
+                            other=0.0)
+                acc += tl.dot(tl.where(mine[:, None], t, tl.zeros_like(t)), b)
+    return acc
+
+
+@triton.jit
+def _quantize_group(x, q_ptrs, s_ptr, ok):
+    """Store ``x`` (one row's K group, float32) as fp8 with scale max|x| / FP8_MAX, as SGLang does."""
+    scale = tl.maximum(tl.max(tl.abs(tl.where(ok, x, 0.0))), _QUANT_EPS) / _FP8_MAX
+    tl.store(q_ptrs, tl.clamp(x * (1.0 / scale), -_FP8_MAX, _FP8_MAX).to(q_ptrs.dtype.element_ty), mask=ok)
+    tl.store(s_ptr, scale)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr):
+    """Per-row, per-K-group fp8 quantization of a GEMM's input."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    ok = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    _quantize_group(x, q_ptr + row * stride_q + cols, s_ptr + row * stride_s + tl.program_id(1), ok)
+
+
+def tile(config: dict, block_m: int, fp8_group_k: int | None) -> dict:
+    """Tile sizes from SGLang's tuned config; BLOCK_M must be the route list's block size, and an
+    fp8 K tile must be one quantization group."""
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": config["BLOCK_SIZE_N"],
+        "BLOCK_K": fp8_group_k or config["BLOCK_SIZE_K"],
+        "GROUP_M": config.get("GROUP_SIZE_M", 1),
+        "num_warps": config.get("num_warps", 4),
+        "num_stages": config.get("num_stages", 3),
+    }
+
+
+@dataclass(frozen=True)
+class LoRAEpilogue:
+    """What the epilogue adds: ``t`` (routes, halves * max_rank) float32 ranks from the shrink;
+    ``lora_b`` (slots, ``experts`` or 1, N, max_rank), ``experts`` the experts the LoRA buffers hold;
+    ``token_lora`` (tokens,), ``enabled`` and ``ranks`` (slots,) int32; ``halves``: 2 for a gated
+    gate-up (gate columns from the gate ranks, up from the up ranks), else 1."""
+
+    t: torch.Tensor
+    lora_b: torch.Tensor
+    token_lora: torch.Tensor
+    enabled: torch.Tensor
+    ranks: torch.Tensor
+    experts: int
+    max_rank: int
+    halves: int = 1
+
+    def block_r(self) -> int:
+        return max(16, triton.next_power_of_2(self.max_rank))
+
+
+def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, expert_ids,
+             num_post_padded, routes_per_a_row: int, mul_routed_weight: bool, tile: dict,
+             scale_block_n: int = 1, topk: int | None = None, lora: LoRAEpilogue | None = None) -> None:
+    """One expert GEMM over SGLang's sorted route list, written route-major into ``out`` (R, N).
+
+    ``a`` is fp8 with per-row, per-K-group ``a_scale`` when ``w_scale`` is given (block fp8); then
+    ``scale_block_n`` is the weights' fp8 scale block along N (``GROUP_M`` in ``tile`` is the L2
+    swizzle of output tiles, unrelated). ``lora``: each route's LoRA expand added in the epilogue
+    (``topk``: routes per token, to find a route's adapter; with two halves ``tile["BLOCK_N"]`` must
+    divide a half).
+    """
+    experts, n, k = w.shape
+    fp8 = w_scale is not None
+    block_m, block_k = tile["BLOCK_M"], tile["BLOCK_K"]
+    assert a.dim() == 2 and a.shape[1] == k, f"A is {tuple(a.shape)}, the weights take K={k}"
+    assert out.dim() == 2 and out.shape[1] == n, f"C is {tuple(out.shape)}, the weights give N={n}"
+    assert out.shape[0] == a.shape[0] * routes_per_a_row, "one output row per route"
+    assert expert_ids.shape[0] >= triton.cdiv(sorted_ids.shape[0], block_m), "one expert id per route block"
+    if bias is not None:
+        assert bias.shape == (experts, n), f"bias is {tuple(bias.shape)}, expected {(experts, n)}"
+    if fp8:
+        assert a.dtype == torch.float8_e4m3fn and a_scale is not None, "block fp8 takes fp8 A with its scales"
+        groups = triton.cdiv(k, block_k)
+        assert a_scale.shape == (a.shape[0], groups), f"A's scales are {tuple(a_scale.shape)}, expected {(a.shape[0], groups)}"
+        expected = (experts, triton.cdiv(n, scale_block_n), groups)
+        assert w_scale.shape == expected, f"the weights' scales are {tuple(w_scale.shape)}, expected {expected}"
+    else:
+        assert a.dtype == w.dtype, f"A in {a.dtype}, weights in {w.dtype}"
+    if lora is not None:
+        half_width = n // lora.halves
+        assert topk and out.shape[0] == lora.token_lora.shape[0] * topk, "one adapter slot per token"
+        assert lora.t.shape == (out.shape[0], lora.halves * lora.max_rank) and lora.t.stride(1) == 1, lora.t.shape
+        assert lora.lora_b.shape[2:] == (n, lora.max_rank) and lora.lora_b.dtype == out.dtype, lora.lora_b.shape
+        assert lora.lora_b.shape[1] in (1, lora.experts), (lora.lora_b.shape, lora.experts)
+        assert n % lora.halves == 0, (n, lora.halves)
+        assert lora.halves == 1 or half_width % tile["BLOCK_N"] == 0, "a column tile must lie in one half"
+        lb, lora_args = lora.lora_b, (lora.t, lora.lora_b, lora.token_lora, lora.enabled, lora.ranks)
+        lora_sizes = (lora.ranks.numel(), lora.experts, half_width, lora.max_rank)
+        lora_strides = (lora.t.stride(0), lb.stride(0), 0 if lb.shape[1] == 1 else lb.stride(1), lb.stride(2),
+                        lb.stride(3))
+    else:
+        lora_args, lora_sizes, lora_strides = (w,) * 5, (0, 0, n, 0), (0,) * 5
+    grid = (triton.cdiv(sorted_ids.shape[0], block_m) * triton.cdiv(n, tile["BLOCK_N"]),)
+    _moe_gemm_kernel[grid](
+        a, a_scale if fp8 else a, w, out, bias if bias is not None else w, w_scale if fp8 else w,
+        topk_weights, sorted_ids, expert_ids, num_post_padded, *lora_args,
+        n, k, out.shape[0], sorted_ids.shape[0], *lora_sizes,
+        a.stride(0), a.stride(1), a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
+        w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
+        *lora_strides,
+        ROUTES_PER_A_ROW=routes_per_a_row, TOPK=topk or 1, SCALE_BLOCK_N=scale_block_n,
+        BLOCK_R=lora.block_r() if lora is not None else 16,
+        FP8=fp8, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
+        **tile,
+    )
+
+
+def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (rows, K) as fp8 with one float32 scale per row and ``group`` columns."""
+    assert x.stride(-1) == 1, "the quantize kernel reads each row as one contiguous run"
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    _quantize_kernel[(rows, scale.shape[1])](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
+                                             GROUP=group)
+    return q, scale

@@ -1,0 +1,99 @@
+"""The down GEMM with the LoRA expand in its epilogue (``moe_gemm``'s ``LoRAEpilogue``), on its own.
+
+Through Triton's CPU interpreter, against a float32 PyTorch reference computed route by route from
+the same inputs (the fp8 input's own quantized values and scales: the quantizer is the fallback's,
+tested there). Widths no tile divides; in one route list: tokens of the base model, of a disabled
+slot, of a slot of rank 0, of slots of different ranks in one block, routes filtered out (-1) and
+routes to an expert the LoRA buffers do not hold. Every rank column past a slot's own rank holds NaN,
+in the ranks ``t`` and in B: a single one read would show in the output.
+
+Tolerance: the output is fp16, of size about 1 here; one fp16 rounding of the result is 2**-11 of
+it, the fp16 rounding of ``t`` before the epilogue's GEMM (as the hooks' expand rounds it) a few
+more steps: 2e-3 of the largest output (measured: about 5e-4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_lora_tma_guard import moe_gemm
+from sglang_lora_tma_guard.tiny_moe import align_block_size, quantize_block_fp8
+
+pytestmark = pytest.mark.real
+
+TOLERANCE = 2e-3
+TOKENS, TOPK, EXPERTS, LORA_EXPERTS = 13, 3, 6, 5  # expert 5: a fused shared expert, no LoRA
+RANKS, ENABLED, MAX_RANK = (8, 0, 24, 16, 32), (1, 1, 1, 0, 1), 32  # slot 1 rank 0, slot 3 disabled
+
+
+def make(n: int, k: int, fp8: bool, shared_outer: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    topk_ids = torch.randint(0, EXPERTS, (TOKENS, TOPK), generator=gen, dtype=torch.int32)
+    topk_ids[::4, 1] = -1  # filtered out
+    token_lora = torch.randint(-1, len(RANKS), (TOKENS,), generator=gen, dtype=torch.int32)
+    token_lora[:len(RANKS)] = torch.arange(len(RANKS), dtype=torch.int32)  # every slot has a token
+    a = torch.randn(TOKENS * TOPK, k, generator=gen).half()
+    w = torch.randn(EXPERTS, n, k, generator=gen) / k**0.5
+    t = torch.randn(TOKENS * TOPK, MAX_RANK, generator=gen)
+    lora_b = torch.randn(len(RANKS), 1 if shared_outer else LORA_EXPERTS, n, MAX_RANK, generator=gen) / 4
+    for route in range(TOKENS * TOPK):
+        slot = int(token_lora[route // TOPK])
+        t[route, RANKS[slot] if slot >= 0 else 0:] = float("nan")
+    for slot, rank in enumerate(RANKS):
+        lora_b[slot, :, :, rank:] = float("nan")
+    weights = torch.rand(TOKENS, TOPK, generator=gen)
+    if fp8:
+        w_q, w_scale = quantize_block_fp8(w)
+        a_q, a_scale = moe_gemm.quantize_per_group(a, 128)
+        w_full = w_q.float() * w_scale.repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[:, :, :k]
+        a_full = a_q.float() * a_scale.repeat_interleave(128, 1)[:, :k]
+    else:
+        w_q, w_scale, a_q, a_scale = w.half(), None, a, None
+        w_full, a_full = w.half().float(), a.float()
+    lora = moe_gemm.LoRAEpilogue(t, lora_b.half(), token_lora, torch.tensor(ENABLED, dtype=torch.int32),
+                                 torch.tensor(RANKS, dtype=torch.int32), LORA_EXPERTS, MAX_RANK)
+    inputs = dict(a=a_q, a_scale=a_scale, w=w_q, w_scale=w_scale, weights=weights, topk_ids=topk_ids, lora=lora)
+    return inputs, reference(a_full, w_full, t, lora_b.half().float(), token_lora, topk_ids, weights)
+
+
+def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
+    out = torch.zeros(TOKENS * TOPK, w.shape[1])
+    for route, expert in enumerate(topk_ids.reshape(-1).tolist()):
+        if expert < 0:
+            continue
+        row = w[expert] @ a[route]
+        slot = int(token_lora[route // TOPK])
+        if slot >= 0 and ENABLED[slot] and RANKS[slot] and expert < LORA_EXPERTS:
+            b = lora_b[slot, min(expert, lora_b.shape[1] - 1), :, :RANKS[slot]]
+            row = row + b @ t[route, :RANKS[slot]].half().float()
+        out[route] = row * weights.reshape(-1)[route]
+    return out
+
+
+def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool):
+    sorted_ids, expert_ids, post_padded = align_block_size(inputs["topk_ids"], block_m, EXPERTS)
+    out = torch.full((TOKENS * TOPK, n), float("nan"), dtype=torch.float16)
+    tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if fp8 else block_k, GROUP_M=2, num_warps=4,
+                num_stages=2)
+    moe_gemm.moe_gemm(inputs["a"], inputs["w"], out, a_scale=inputs["a_scale"], w_scale=inputs["w_scale"], bias=None,
+                      topk_weights=inputs["weights"].reshape(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
+                      num_post_padded=post_padded, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
+                      scale_block_n=128 if fp8 else 1, topk=TOPK, lora=inputs["lora"])
+    return out
+
+
+@pytest.mark.parametrize("fp8, shared_outer, n, k, block_m, block_n, block_k", [
+    (False, False, 200, 72, 16, 32, 32),
+    pytest.param(True, False, 72, 200, 16, 32, 128, marks=pytest.mark.slow),
+    pytest.param(False, True, 200, 72, 32, 64, 64, marks=pytest.mark.slow),
+], ids=["fp16", "block-fp8", "shared-outer-block-32"])
+def test_the_epilogue_adds_each_routes_own_adapter_delta(fp8, shared_outer, n, k, block_m, block_n, block_k):
+    inputs, expected = make(n, k, fp8, shared_outer)
+    out = run(inputs, n, block_m, block_n, block_k, fp8).float()
+    assert not out.isnan().any()
+    err = float((out - expected).abs().max() / expected.abs().max())
+    assert err < TOLERANCE, err
+    # The deltas are not small beside the base rows: a dropped or doubled one would fail the bound.
+    base_only = run({**inputs, "lora": None}, n, block_m, block_n, block_k, fp8).float()
+    assert float((base_only - expected).abs().max() / expected.abs().max()) > 50 * TOLERANCE
