@@ -7,6 +7,7 @@ backend sizes them, and the weight bytes a batch's LoRA deltas must read at leas
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -135,3 +136,15 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
     guard.deactivate()
     print(markdown(rows, meta))
     return 0
+
+
+@contextlib.contextmanager
+def fused_down(on: bool):
+    """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``)."""
+    from sglang_lora_tma_guard import fused_lora
+
+    (fused_lora.activate if on else fused_lora.deactivate)()
+    try:
+        yield
+    finally:
+        fused_lora.deactivate()

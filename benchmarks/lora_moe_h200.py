@@ -9,13 +9,17 @@ SGLang's ``TritonRunnerCore.run`` with the guard's weight TMA. Graphs, CUDA-grap
 5 x 50, interleaved:
 
 - whole hooked call (MoE + LoRA): ``default`` (SGLang's ``build_lora_hooks``: ``fused_moe_lora``),
-  ``fast`` (``sglang_lora_tma_guard.lora_path.build_hooks``), and the call without hooks;
+  ``fast`` (``sglang_lora_tma_guard.lora_path.build_hooks``), ``fused`` (the fast hooks with the down
+  expand in the down GEMM's epilogue, ``sglang_lora_tma_guard.fused_lora``), and the call without hooks;
 - the LoRA hooks alone (build + both hooks on fixed buffers): default, fast, and SGLang's own
   virtual-experts path (``--lora-use-virtual-experts``; wrong on gated MoE, timed for reference);
 - the floor: the LoRA weights the batch touches read once at 4.3 TB/s, at the true ranks.
 
-Checks per row (eager): the fast whole call against the default one (relative error of the output),
-and both paths' LoRA deltas against a float32 PyTorch reference on up to 32 tokens spread over the batch.
+Checks per row (eager), on up to 32 tokens spread over the batch: every whole call's output against the
+float32 PyTorch reference MoE (``harness/reference.py``: the same fp8 weights and per-group fp8 activation
+quantization, no bf16 rounding anywhere, each adapter's delta in float32; the call without hooks against the
+reference without adapters, as the floor of this metric), and the default and fast paths' LoRA deltas
+alone against the float32 reference deltas (rounded into the bf16 buffers: blind to where paths round).
 Writes ``lora_moe_h200.json`` / ``.md`` under ``--out``.
 """
 
@@ -23,18 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from types import SimpleNamespace
 
 import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture, replay_times
-from benchmarks._lora_setup import HBM_BYTES_PER_S, floor_bytes, lora_batch, run_batches
-from harness import real_lora, tables
-from harness.reference import ReferenceLoRAHooks
+from benchmarks._lora_setup import HBM_BYTES_PER_S, floor_bytes, fused_down, lora_batch, run_batches
+from harness import real_lora, tables, tiny_moe
+from harness.reference import ReferenceLoRAHooks, reference_moe
 from sglang_lora_tma_guard import lora_path
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
 SAMPLE = 32
+WHOLE = ("default", "fast", "fused", "nohook")
 
 
 def sample_tokens(tokens: int) -> torch.Tensor:
@@ -51,6 +57,16 @@ def reference_deltas(info, hidden, act, ids, weights, shape1, shape3, idx):
     ref.after_gate_up(hidden[idx], c1, weights[idx], ids[idx])
     ref.after_down(act.view(-1, topk, act.shape[1])[idx].reshape(n * topk, -1), c3, weights[idx], ids[idx])
     return c1, c3
+
+
+def reference_output(problem, info, idx, lora: bool):
+    """The float32 reference MoE's output for the tokens ``idx`` (with every adapter, or none)."""
+    sub = dataclasses.replace(info, token_lora_mapping=info.token_lora_mapping[idx])
+    hooks = ReferenceLoRAHooks(sub) if lora else SimpleNamespace(after_gate_up=None, after_down=None)
+    args = tiny_moe.call_arguments(problem, hooks)
+    args.update(hidden_states=problem.hidden_states[idx].float(), topk_ids=problem.topk_ids[idx],
+                topk_weights=problem.topk_weights[idx])
+    return reference_moe(args)
 
 
 def rel(a, b) -> float:
@@ -74,7 +90,9 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     width1, width3 = c1.shape[2], c3.shape[2]
 
     def whole(kind):
-        return real_lora.run_runner(problem, builders[kind]() if kind != "nohook" else None, use_tma=use_tma)
+        with fused_down(kind == "fused"):
+            hooks = builders["fast" if kind == "fused" else kind]() if kind != "nohook" else None
+            return real_lora.run_runner(problem, hooks, use_tma=use_tma)
 
     def lora_only(kind):
         hooks = builders[kind]()
@@ -85,17 +103,20 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens}
     guard.activate(weight_tma=True)
     with capture_mode():  # hooks built as in a server's captured batch
-        out = {kind: whole(kind) for kind in ("default", "fast", "nohook")}
+        out = {kind: whole(kind) for kind in WHOLE}
         row["whole_rel_err_fast_vs_default"] = rel(out["fast"], out["default"])
         row["lora_rel_of_output"] = rel(out["default"], out["nohook"])
         idx = sample_tokens(tokens)
+        with_lora, without = (reference_output(problem, info, idx, lora) for lora in (True, False))
+        for kind in WHOLE:
+            row[f"err_whole_{kind}"] = rel(out[kind][idx], without if kind == "nohook" else with_lora)
         ref1, ref3 = reference_deltas(info, hidden, act, ids, w, width1, width3, idx)
         for kind in ("default", "fast"):
             c1.zero_()
             c3.zero_()
             lora_only(kind)
             row[f"err_{kind}"] = max(rel(c1[idx], ref1), rel(c3[idx], ref3))
-        graphs = {f"whole_{kind}": capture(lambda k=kind: whole(k))[0] for kind in ("default", "fast", "nohook")}
+        graphs = {f"whole_{kind}": capture(lambda k=kind: whole(k))[0] for kind in WHOLE}
         for kind in ("default", "fast"):
             graphs[f"lora_{kind}"] = capture(lambda k=kind: lora_only(k))[0]
         try:  # SGLang's virtual-experts path: tried eagerly first, so that a failure cannot break a capture
@@ -111,6 +132,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     row["floor_ms"] = true_bytes / HBM_BYTES_PER_S * 1e3
     row["floor_padded_ms"] = padded_bytes / HBM_BYTES_PER_S * 1e3
     row["speedup_whole"] = row["ms_whole_default"] / row["ms_whole_fast"]
+    row["speedup_whole_fused"] = row["ms_whole_default"] / row["ms_whole_fused"]
     row["speedup_lora"] = row["ms_lora_default"] / row["ms_lora_fast"]
     row["lora_over_floor"] = row["ms_lora_fast"] / row["floor_ms"]
     del graphs
@@ -127,15 +149,18 @@ def markdown(rows, meta) -> str:
         "Errors: max |delta - reference| / max |reference|, float32 PyTorch reference, 32 tokens spread over the batch.",
         "",
         tables.markdown(
-            ["shape", "ranks", "tokens", "whole: default", "whole: fast", "speed-up", "no hooks", "LoRA: default",
+            ["shape", "ranks", "tokens", "whole: default", "whole: fast", "speed-up", "whole: fused", "speed-up",
+             "no hooks", "LoRA: default",
              "LoRA: fast", "LoRA: VE", "LoRA speed-up", "floor (true / padded)", "fast / floor", "err default / fast",
-             "fast vs default (output)"],
+             "fast vs default (output)", "output err no hooks / default / fast / fused"],
             ([r["shape"], r["ranks"], r["tokens"], f"{r['ms_whole_default']:.3f}", f"{r['ms_whole_fast']:.3f}",
-              f"**{r['speedup_whole']:.2f}x**", f"{r['ms_whole_nohook']:.3f}", f"{r['ms_lora_default']:.3f}",
+              f"**{r['speedup_whole']:.2f}x**", f"{r['ms_whole_fused']:.3f}", f"**{r['speedup_whole_fused']:.2f}x**",
+              f"{r['ms_whole_nohook']:.3f}", f"{r['ms_lora_default']:.3f}",
               f"{r['ms_lora_fast']:.3f}", f"{r['ms_lora_ve']:.3f}" if "ms_lora_ve" in r else "n/a",
               f"{r['speedup_lora']:.2f}x", f"{r['floor_ms']:.3f} / {r['floor_padded_ms']:.3f}",
               f"{r['lora_over_floor']:.2f}", f"{r['err_default']:.1e} / {r['err_fast']:.1e}",
-              f"{r['whole_rel_err_fast_vs_default']:.1e}"] for r in rows)),
+              f"{r['whole_rel_err_fast_vs_default']:.1e}",
+              " / ".join(f"{r[f'err_whole_{k}']:.1e}" for k in ("nohook", "default", "fast", "fused"))] for r in rows)),
     ]
     return "\n".join(lines) + "\n"
 

@@ -7,7 +7,8 @@ Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 
 8/16/32/64 or all 16, the batch split evenly among them and the base model), CUDA-graph replays, best of
 5 x 50, interleaved:
 
-- the hook-less call (SGLang's ``TritonRunnerCore.run``, weight TMA) and the fast hooked call;
+- the hook-less call (SGLang's ``TritonRunnerCore.run``, weight TMA), the fast hooked call, and the fast
+  hooked call with the down expand in the down GEMM's epilogue (``fused``: ``sglang_lora_tma_guard.fused_lora``);
 - each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
   gate-up shrink and expand, the down shrink and expand.
 
@@ -29,7 +30,7 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture, replay_times
-from benchmarks._lora_setup import HBM_BYTES_PER_S, lora_batch, run_batches
+from benchmarks._lora_setup import HBM_BYTES_PER_S, fused_down, lora_batch, run_batches
 from harness import real_lora, tables
 from sglang_lora_tma_guard import lora_moe, lora_path, tuning
 
@@ -122,19 +123,21 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
                                              config=tiles.down),
     }
 
-    def whole(fast: bool):
-        hooks = lora_path.build_hooks(original, hidden, info, ids) if fast else None
-        return real_lora.run_runner(problem, hooks, use_tma=use_tma)
+    def whole(kind: str):
+        with fused_down(kind == "fused"):
+            hooks = lora_path.build_hooks(original, hidden, info, ids) if kind != "nohook" else None
+            return real_lora.run_runner(problem, hooks, use_tma=use_tma)
 
     guard.activate(weight_tma=True)
     with capture_mode():
-        graphs = {"nohook": capture(lambda: whole(False))[0], "fast": capture(lambda: whole(True))[0]}
+        graphs = {kind: capture(lambda k=kind: whole(k))[0] for kind in ("nohook", "fast", "fused")}
         graphs.update({kernel: capture(fn)[0] for kernel, fn in kernels.items()})
     times = replay_times(graphs)
     del graphs
     moved = traffic(info, ids, width3, inter)
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "block_m": tiles.block_m,
-           "pairs_with_delta": moved["pairs_with_delta"], "ms_nohook": times["nohook"], "ms_fast": times["fast"]}
+           "pairs_with_delta": moved["pairs_with_delta"], "ms_nohook": times["nohook"], "ms_fast": times["fast"],
+           "ms_fused": times["fused"]}
     for kernel in KERNELS:
         row[f"ms_{kernel}"] = times[kernel]
         if kernel in moved["kernels"]:
@@ -148,6 +151,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     row["floor_ms_fusable"] = floor_ms(moved["fusable_bytes"])
     row["fused_floor_ms"] = times["nohook"] + row["floor_ms_weights"]
     row["fast_over_fused_floor"] = times["fast"] / row["fused_floor_ms"]
+    row["fused_over_fused_floor"] = times["fused"] / row["fused_floor_ms"]
     return row
 
 
@@ -166,11 +170,12 @@ def markdown(rows, meta) -> str:
         tables.markdown(
             ["shape", "ranks", "tokens", "no hooks", "fast", "fast - no hooks", "route", "shrink gate-up",
              "expand gate-up", "shrink down", "expand down", "LoRA weights floor", "fusable", "fused floor",
-             "fast / fused floor"],
+             "fast / fused floor", "fused", "fused / fused floor"],
             ([r["shape"], r["ranks"], r["tokens"], ms(r["ms_nohook"]), ms(r["ms_fast"]), ms(r["ms_fast"] - r["ms_nohook"]),
               ms(r["ms_route"]), per_kernel(r, "shrink_gu"), per_kernel(r, "expand_gu"), per_kernel(r, "shrink_dn"),
               per_kernel(r, "expand_dn"), ms(r["floor_ms_weights"]), ms(r["floor_ms_fusable"]), ms(r["fused_floor_ms"]),
-              f"{r['fast_over_fused_floor']:.2f}"] for r in rows)),
+              f"{r['fast_over_fused_floor']:.2f}", ms(r["ms_fused"]), f"**{r['fused_over_fused_floor']:.2f}**"]
+             for r in rows)),
     ]) + "\n"
 
 

@@ -61,7 +61,7 @@ def reference_moe(args: dict, to_fp8=None) -> torch.Tensor:
         return (q * scale).view_as(padded)[:, : x.shape[1]]
 
     def expert_gemm(a_rows, w, bias, ids):
-        out = torch.zeros(a_rows.shape[0], w.shape[1])
+        out = torch.zeros(a_rows.shape[0], w.shape[1], device=a_rows.device)
         for i, e in enumerate(ids.tolist()):
             if e >= 0:
                 out[i] = w[e] @ a_rows[i] + (bias[e].float() if bias is not None else 0.0)
