@@ -10,7 +10,9 @@ Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 
 - the hook-less call (SGLang's ``TritonRunnerCore.run``, weight TMA), the fast hooked call, and the fast
   hooked call with the down expand in the down GEMM's epilogue (``fused``: ``sglang_lora_tma_guard.fused_lora``);
 - each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
-  gate-up shrink and expand, the down shrink and expand.
+  gate-up shrink and expand, the down shrink and expand;
+- the fused down GEMM's parts: SGLang's down GEMM alone (its launcher, weights by TMA where the call asks),
+  this package's (``moe_gemm``) without and with the LoRA epilogue, and its fp8 quantization of the input.
 
 Each kernel's floor is the larger of its bytes at HBM speed (what it must read and write at least: the
 rows of x or of the activation it multiplies, the LoRA weights of every (adapter, expert) in use at the
@@ -41,6 +43,7 @@ GRANULE = 64
 B as (rows, max_rank), rank innermost, so a rank-r row is a read of r * 2 bytes every max_rank * 2 bytes;
 rows of max_rank * 2 <= 64 bytes lie packed and are read whole."""
 KERNELS = ("route", "shrink_gu", "expand_gu", "shrink_dn", "expand_dn")
+DOWN_PARTS = ("down_sglang", "quant_own", "down_own", "down_own_lora")
 
 
 def traffic(info, ids, hidden_width: int, inter: int) -> dict:
@@ -88,6 +91,42 @@ def traffic(info, ids, hidden_width: int, inter: int) -> dict:
             "pairs_with_delta": pairs}
 
 
+def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: int, use_tma: bool) -> dict:
+    """The down GEMM alone: SGLang's launcher, and this package's without and with the LoRA epilogue."""
+    import inspect
+
+    import triton.language as tl
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
+
+    from harness.tiny_moe import FP8_BLOCK
+    from sglang_lora_tma_guard import moe_gemm
+
+    launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
+    sorted_ids, expert_ids, post = problem.alignment
+    ids, w, cfg = problem.topk_ids, problem.topk_weights, dict(problem.down_config)
+    group_n, group_k = FP8_BLOCK
+    q, q_scale = moe_gemm.quantize_per_group(act, group_k)
+    lora = moe_gemm.LoRAEpilogue(t_dn, info.down_lora_b_weights, slots, enabled, ranks,
+                                 info.down_lora_b_weights.shape[1], max_rank)
+
+    def own(epilogue):
+        moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
+                          bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
+                          num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True,
+                          tile=moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k), scale_block_n=group_n,
+                          topk=ids.shape[1], lora=epilogue, weights_by_tma=use_tma)
+
+    return {
+        "down_sglang": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, sorted_ids,
+                                      expert_ids, post, True, 1, cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True,
+                                      use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                                      per_channel_quant=False, block_shape=list(FP8_BLOCK), b_use_tma=use_tma),
+        "quant_own": lambda: moe_gemm.quantize_per_group(act, group_k),
+        "down_own": lambda: own(None),
+        "down_own_lora": lambda: own(lora),
+    }
+
+
 def floor_ms(nbytes: float, flops: float = 0.0) -> float:
     return max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e3
 
@@ -123,6 +162,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
                                              config=tiles.down),
     }
 
+    kernels.update(down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, r, use_tma))
+
     def whole(kind: str):
         with fused_down(kind == "fused"):
             hooks = lora_path.build_hooks(original, hidden, info, ids) if kind != "nohook" else None
@@ -146,6 +187,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
             row[f"tb_s_{kernel}"] = nbytes / (times[kernel] * 1e-3) / 1e12
         if kernel in moved["granule"]:
             row[f"granule_floor_ms_{kernel}"] = floor_ms(*moved["granule"][kernel])
+    row.update({f"ms_{part}": times[part] for part in DOWN_PARTS})
     row["ms_kernels"] = sum(times[k] for k in KERNELS)
     row["floor_ms_weights"] = floor_ms(moved["weights_bytes"])
     row["floor_ms_fusable"] = floor_ms(moved["fusable_bytes"])
@@ -176,6 +218,14 @@ def markdown(rows, meta) -> str:
               per_kernel(r, "expand_dn"), ms(r["floor_ms_weights"]), ms(r["floor_ms_fusable"]), ms(r["fused_floor_ms"]),
               f"{r['fast_over_fused_floor']:.2f}", ms(r["ms_fused"]), f"**{r['fused_over_fused_floor']:.2f}**"]
              for r in rows)),
+        "",
+        "The fused down GEMM's parts (ms): SGLang's down GEMM; this package's fp8 quantization of its input, its "
+        "down GEMM without and with the LoRA epilogue (weights by TMA as SGLang takes them).",
+        "",
+        tables.markdown(["shape", "ranks", "tokens", "SGLang down", "quantize", "own down", "own down + LoRA",
+                         "fast: expand down"],
+                        ([r["shape"], r["ranks"], r["tokens"], *(ms(r[f"ms_{p}"]) for p in DOWN_PARTS),
+                          ms(r["ms_expand_dn"])] for r in rows)),
     ]) + "\n"
 
 

@@ -34,7 +34,7 @@ MAX_RANK = 64
 """Above this rank the epilogue's tiles would not fit in registers: the hooks' expand runs instead."""
 
 # Launcher parameters the fused down GEMM reads, and the ones that may hold any value because they
-# change nothing it computes: b_use_tma (how SGLang would load the weights), filter_expert (expert -1
+# change nothing it computes: b_use_tma (the weights by TMA here too), filter_expert (expert -1
 # always gives zero rows here), router_topk (only read with fuse_sum_all_reduce, which must be off).
 USED = ("A", "B", "bias", "C", "A_scale", "B_scale", "B_zp", "topk_weights", "topk_ids", "sorted_token_ids",
         "expert_ids", "num_tokens_post_padded", "mul_routed_weight", "top_k", "config", "compute_type",
@@ -118,7 +118,8 @@ class DownWork:
                  expert_ids=a["expert_ids"], num_post_padded=a["num_tokens_post_padded"], routes_per_a_row=1,
                  mul_routed_weight=True, tile=tile(config, config["BLOCK_SIZE_M"], group_k), scale_block_n=group_n,
                  topk=topk, lora=LoRAEpilogue(t, self.lora_b, self.token_lora, self.enabled, self.ranks,
-                                              self.routing.num_experts, self.max_rank))
+                                              self.routing.num_experts, self.max_rank),
+                 weights_by_tma=bool(a.get("b_use_tma")))  # where SGLang would take them by TMA itself
         self.done = C
 
 

@@ -45,6 +45,8 @@ def _moe_gemm_kernel(
     # EXPERT_IDS (S / BLOCK_M,) one expert (or -1) per block, NUM_POST_PADDED (1,) the blocks used.
     a_ptr, a_scale_ptr, b_ptr, c_ptr, bias_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    # With B_TMA: a tensor descriptor of B, tiles [1, BLOCK_N, BLOCK_K] (else unused).
+    b_desc,
     # With LORA: T (R, halves * max_rank) float32 ranks; LORA_B (slots, experts or 1, N, max_rank);
     # TOKEN_LORA (tokens,) each token's slot, -1: none; ENABLED, RANKS (slots,) int32.
     t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
@@ -63,6 +65,7 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr,
+    B_TMA: tl.constexpr,
 ):
     """C[route, n] = sum_k A[route // ROUTES_PER_A_ROW, k] * B[expert(route), n, k], route-major,
     plus the route's LoRA expand with LORA (before the bias and the routed weight).
@@ -105,7 +108,10 @@ def _moe_gemm_kernel(
     for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k_tile * BLOCK_K
         a = tl.load(a_ptrs, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if B_TMA:  # the descriptor fills what lies past N or K with zeros
+            b = b_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k_tile * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
             # One K tile is one quantization group of A and of B.
             a_scale = tl.load(as_ptrs + k_tile * stride_ask, mask=route_ok, other=0.0)
@@ -213,14 +219,15 @@ class LoRAEpilogue:
 
 def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, expert_ids,
              num_post_padded, routes_per_a_row: int, mul_routed_weight: bool, tile: dict,
-             scale_block_n: int = 1, topk: int | None = None, lora: LoRAEpilogue | None = None) -> None:
+             scale_block_n: int = 1, topk: int | None = None, lora: LoRAEpilogue | None = None,
+             weights_by_tma: bool = False) -> None:
     """One expert GEMM over SGLang's sorted route list, written route-major into ``out`` (R, N).
 
     ``a`` is fp8 with per-row, per-K-group ``a_scale`` when ``w_scale`` is given (block fp8); then
     ``scale_block_n`` is the weights' fp8 scale block along N (``GROUP_M`` in ``tile`` is the L2
     swizzle of output tiles, unrelated). ``lora``: each route's LoRA expand added in the epilogue
     (``topk``: routes per token, to find a route's adapter; with two halves ``tile["BLOCK_N"]`` must
-    divide a half).
+    divide a half). ``weights_by_tma``: the weight tiles loaded through a tensor descriptor (Hopper).
     """
     experts, n, k = w.shape
     fp8 = w_scale is not None
@@ -253,10 +260,15 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
                         lb.stride(3))
     else:
         lora_args, lora_sizes, lora_strides = (w,) * 5, (0, 0, n, 0), (0,) * 5
+    b_desc = None
+    if weights_by_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, tile["BLOCK_N"], block_k])
     grid = (triton.cdiv(sorted_ids.shape[0], block_m) * triton.cdiv(n, tile["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, a_scale if fp8 else a, w, out, bias if bias is not None else w, w_scale if fp8 else w,
-        topk_weights, sorted_ids, expert_ids, num_post_padded, *lora_args,
+        topk_weights, sorted_ids, expert_ids, num_post_padded, b_desc, *lora_args,
         n, k, out.shape[0], sorted_ids.shape[0], *lora_sizes,
         a.stride(0), a.stride(1), a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
@@ -266,7 +278,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         ROUTES_PER_A_ROW=routes_per_a_row, TOPK=topk or 1, SCALE_BLOCK_N=scale_block_n,
         BLOCK_R=lora.block_r() if lora is not None else 16,
         FP8=fp8, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
-        **tile,
+        B_TMA=b_desc is not None, **tile,
     )
 
 

@@ -71,7 +71,7 @@ def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
     return out
 
 
-def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool):
+def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False):
     sorted_ids, expert_ids, post_padded = align_block_size(inputs["topk_ids"], block_m, EXPERTS)
     out = torch.full((TOKENS * TOPK, n), float("nan"), dtype=torch.float16)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if fp8 else block_k, GROUP_M=2, num_warps=4,
@@ -79,18 +79,19 @@ def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool):
     moe_gemm.moe_gemm(inputs["a"], inputs["w"], out, a_scale=inputs["a_scale"], w_scale=inputs["w_scale"], bias=None,
                       topk_weights=inputs["weights"].reshape(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                       num_post_padded=post_padded, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
-                      scale_block_n=128 if fp8 else 1, topk=TOPK, lora=inputs["lora"])
+                      scale_block_n=128 if fp8 else 1, topk=TOPK, lora=inputs["lora"], weights_by_tma=tma)
     return out
 
 
-@pytest.mark.parametrize("fp8, shared_outer, n, k, block_m, block_n, block_k", [
-    (False, False, 200, 72, 16, 32, 32),
-    pytest.param(True, False, 72, 200, 16, 32, 128, marks=pytest.mark.slow),
-    pytest.param(False, True, 200, 72, 32, 64, 64, marks=pytest.mark.slow),
-], ids=["fp16", "block-fp8", "shared-outer-block-32"])
-def test_the_epilogue_adds_each_routes_own_adapter_delta(fp8, shared_outer, n, k, block_m, block_n, block_k):
+@pytest.mark.parametrize("fp8, shared_outer, tma, n, k, block_m, block_n, block_k", [
+    (False, False, False, 200, 72, 16, 32, 32),
+    pytest.param(True, False, False, 72, 200, 16, 32, 128, marks=pytest.mark.slow),
+    pytest.param(True, False, True, 72, 208, 16, 32, 128, marks=pytest.mark.slow),  # TMA: rows of 16-byte multiples
+    pytest.param(False, True, False, 200, 72, 32, 64, 64, marks=pytest.mark.slow),
+], ids=["fp16", "block-fp8", "block-fp8-weights-by-tma", "shared-outer-block-32"])
+def test_the_epilogue_adds_each_routes_own_adapter_delta(fp8, shared_outer, tma, n, k, block_m, block_n, block_k):
     inputs, expected = make(n, k, fp8, shared_outer)
-    out = run(inputs, n, block_m, block_n, block_k, fp8).float()
+    out = run(inputs, n, block_m, block_n, block_k, fp8, tma).float()
     assert not out.isnan().any()
     err = float((out - expected).abs().max() / expected.abs().max())
     assert err < TOLERANCE, err
