@@ -43,7 +43,7 @@ GRANULE = 64
 B as (rows, max_rank), rank innermost, so a rank-r row is a read of r * 2 bytes every max_rank * 2 bytes;
 rows of max_rank * 2 <= 64 bytes lie packed and are read whole."""
 KERNELS = ("route", "shrink_gu", "expand_gu", "shrink_dn", "expand_dn")
-DOWN_PARTS = ("down_sglang", "quant_own", "down_own", "down_own_lora")
+DOWN_PARTS = ("down_sglang", "quant_own", "down_own_plain", "down_own", "down_own_lora")
 
 
 def traffic(info, ids, hidden_width: int, inter: int) -> dict:
@@ -109,12 +109,12 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
     lora = moe_gemm.LoRAEpilogue(t_dn, info.down_lora_b_weights, slots, enabled, ranks,
                                  info.down_lora_b_weights.shape[1], max_rank)
 
-    def own(epilogue):
+    def own(epilogue, tma=use_tma):
         moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
                           bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                           num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True,
                           tile=moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k), scale_block_n=group_n,
-                          topk=ids.shape[1], lora=epilogue, weights_by_tma=use_tma)
+                          topk=ids.shape[1], lora=epilogue, weights_by_tma=tma)
 
     return {
         "down_sglang": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, sorted_ids,
@@ -122,6 +122,7 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
                                       use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
                                       per_channel_quant=False, block_shape=list(FP8_BLOCK), b_use_tma=use_tma),
         "quant_own": lambda: moe_gemm.quantize_per_group(act, group_k),
+        "down_own_plain": lambda: own(None, tma=False),
         "down_own": lambda: own(None),
         "down_own_lora": lambda: own(lora),
     }
@@ -220,9 +221,10 @@ def markdown(rows, meta) -> str:
              for r in rows)),
         "",
         "The fused down GEMM's parts (ms): SGLang's down GEMM; this package's fp8 quantization of its input, its "
-        "down GEMM without and with the LoRA epilogue (weights by TMA as SGLang takes them).",
+        "down GEMM without LoRA (weights by plain loads; by TMA as SGLang takes them) and with the LoRA epilogue.",
         "",
-        tables.markdown(["shape", "ranks", "tokens", "SGLang down", "quantize", "own down", "own down + LoRA",
+        tables.markdown(["shape", "ranks", "tokens", "SGLang down", "quantize", "own down, no TMA", "own down",
+                         "own down + LoRA",
                          "fast: expand down"],
                         ([r["shape"], r["ranks"], r["tokens"], *(ms(r[f"ms_{p}"]) for p in DOWN_PARTS),
                           ms(r["ms_expand_dn"])] for r in rows)),
