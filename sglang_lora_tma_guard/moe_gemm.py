@@ -90,11 +90,10 @@ def _moe_gemm_kernel(
     route_ok = routes < num_routes
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    c_ptrs = c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    c_mask = route_ok[:, None] & n_ok[None, :]
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert == -1:
-        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                 tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=route_ok[:, None] & n_ok[None, :])
         return
 
     offs_k = tl.arange(0, BLOCK_K)
@@ -133,7 +132,9 @@ def _moe_gemm_kernel(
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + routes, mask=route_ok, other=0.0)
         acc *= weight.to(tl.float32)[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    # The output's addresses only now: held across the K loop they would take registers the tiles need.
+    tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=route_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
