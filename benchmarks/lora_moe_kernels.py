@@ -43,7 +43,8 @@ GRANULE = 64
 B as (rows, max_rank), rank innermost, so a rank-r row is a read of r * 2 bytes every max_rank * 2 bytes;
 rows of max_rank * 2 <= 64 bytes lie packed and are read whole."""
 KERNELS = ("route", "shrink_gu", "expand_gu", "shrink_dn", "expand_dn")
-DOWN_PARTS = ("down_sglang", "quant_own", "down_own_plain", "down_own", "down_own_lora")
+DOWN_PARTS = ("down_sglang", "quant_own", "down_own_plain", "down_own", "down_own_lora", "route_all",
+              "down_keyed", "down_keyed_lora")
 
 
 def traffic(info, ids, hidden_width: int, inter: int) -> dict:
@@ -91,7 +92,8 @@ def traffic(info, ids, hidden_width: int, inter: int) -> dict:
             "pairs_with_delta": pairs}
 
 
-def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: int, use_tma: bool) -> dict:
+def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: int, use_tma: bool,
+               block_m: int) -> dict:
     """The down GEMM alone: SGLang's launcher, and this package's without and with the LoRA epilogue."""
     import inspect
 
@@ -99,7 +101,7 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
     from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
 
     from harness.tiny_moe import FP8_BLOCK
-    from sglang_lora_tma_guard import moe_gemm
+    from sglang_lora_tma_guard import lora_moe, moe_gemm
 
     launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
     sorted_ids, expert_ids, post = problem.alignment
@@ -109,12 +111,21 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
     lora = moe_gemm.LoRAEpilogue(t_dn, info.down_lora_b_weights, slots, enabled, ranks,
                                  info.down_lora_b_weights.shape[1], max_rank)
 
-    def own(epilogue, tma=use_tma):
+    lora_experts = info.down_lora_b_weights.shape[1]
+
+    def route_all():
+        return lora_moe.route_all(ids, slots, enabled, ranks, problem.w2.shape[0], lora_experts, block_m)
+
+    keyed = route_all()
+
+    def own(epilogue, tma=use_tma, keys=None):
+        blocks = (keys.sorted_ids, keys.block_key, keys.rows_used) if keys else (sorted_ids, expert_ids, post)
         moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
-                          bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
-                          num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True,
-                          tile=moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k), scale_block_n=group_n,
-                          topk=ids.shape[1], lora=epilogue, weights_by_tma=tma)
+                          bias=None, topk_weights=w.view(-1), sorted_ids=blocks[0], expert_ids=blocks[1],
+                          num_post_padded=blocks[2], routes_per_a_row=1, mul_routed_weight=True,
+                          tile=moe_gemm.tile(cfg, keys.block_m if keys else cfg["BLOCK_SIZE_M"], group_k),
+                          scale_block_n=group_n, topk=ids.shape[1], lora=epilogue, weights_by_tma=tma,
+                          key_groups=ranks.numel() + 1 if keys else 0)
 
     return {
         "down_sglang": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, sorted_ids,
@@ -125,6 +136,9 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
         "down_own_plain": lambda: own(None, tma=False),
         "down_own": lambda: own(None),
         "down_own_lora": lambda: own(lora),
+        "route_all": lambda: route_all().sorted_ids,
+        "down_keyed": lambda: own(None, keys=keyed),
+        "down_keyed_lora": lambda: own(lora, keys=keyed),
     }
 
 
@@ -163,7 +177,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
                                              config=tiles.down),
     }
 
-    kernels.update(down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, r, use_tma))
+    kernels.update(down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, r, use_tma, tiles.block_m))
 
     def whole(kind: str):
         with fused_down(kind == "fused"):
@@ -221,10 +235,13 @@ def markdown(rows, meta) -> str:
              for r in rows)),
         "",
         "The fused down GEMM's parts (ms): SGLang's down GEMM; this package's fp8 quantization of its input, its "
-        "down GEMM without LoRA (weights by plain loads; by TMA as SGLang takes them) and with the LoRA epilogue.",
+        "down GEMM without LoRA (weights by plain loads; by TMA as SGLang takes them) and with the LoRA epilogue, "
+        "over SGLang's route list; then over blocks of one expert and one adapter (lora_moe.route_all, the "
+        "routing's block size): the routing, the GEMM without and with the epilogue.",
         "",
         tables.markdown(["shape", "ranks", "tokens", "SGLang down", "quantize", "own down, no TMA", "own down",
-                         "own down + LoRA",
+                         "own down + LoRA", "route (expert, adapter)", "own down, blocks of one adapter",
+                         "... + LoRA",
                          "fast: expand down"],
                         ([r["shape"], r["ranks"], r["tokens"], *(ms(r[f"ms_{p}"]) for p in DOWN_PARTS),
                           ms(r["ms_expand_dn"])] for r in rows)),

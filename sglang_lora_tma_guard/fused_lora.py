@@ -101,25 +101,32 @@ class DownWork:
         return None
 
     def run(self, a: dict) -> None:
-        """The down shrink, then the down GEMM with the expand in its epilogue, into ``C``."""
+        """The down shrink, then the down GEMM with the expand in its epilogue, into ``C``.
+
+        The GEMM walks its own route list (:func:`~sglang_lora_tma_guard.lora_moe.route_all`: blocks of
+        one expert and one adapter, the routing's block size), not SGLang's, whose blocks mix adapters:
+        each block then adds one delta, its B tile loaded before the K loop."""
         from . import lora_moe
         from .moe_gemm import LoRAEpilogue, moe_gemm, quantize_per_group, tile
 
-        A, C = a["A"], a["C"]
+        A, B, C = a["A"], a["B"], a["C"]
         tokens, topk = self.topk_ids.shape
         t = lora_moe.shrink(A, self.lora_a, self.routing, self.ranks, topk=topk, max_rank=self.max_rank, halves=1,
                             config=self.shrink_tiles)
+        block_m = self.routing.block_m
+        blocks = lora_moe.route_all(self.topk_ids, self.token_lora, self.enabled, self.ranks, B.shape[0],
+                                    self.routing.num_experts, block_m)
         fp8 = bool(a["use_fp8_w8a8"])
         group_n, group_k = a["block_shape"] if fp8 else (1, None)
         x, x_scale = quantize_per_group(A, group_k) if fp8 else (A, None)
-        config = a["config"]
-        moe_gemm(x, a["B"], C.view(tokens * topk, C.shape[2]), a_scale=x_scale, w_scale=a["B_scale"] if fp8 else None,
-                 bias=None, topk_weights=a["topk_weights"].view(-1), sorted_ids=a["sorted_token_ids"],
-                 expert_ids=a["expert_ids"], num_post_padded=a["num_tokens_post_padded"], routes_per_a_row=1,
-                 mul_routed_weight=True, tile=tile(config, config["BLOCK_SIZE_M"], group_k), scale_block_n=group_n,
+        moe_gemm(x, B, C.view(tokens * topk, C.shape[2]), a_scale=x_scale, w_scale=a["B_scale"] if fp8 else None,
+                 bias=None, topk_weights=a["topk_weights"].view(-1), sorted_ids=blocks.sorted_ids,
+                 expert_ids=blocks.block_key, num_post_padded=blocks.rows_used, routes_per_a_row=1,
+                 mul_routed_weight=True, tile=tile(a["config"], block_m, group_k), scale_block_n=group_n,
                  topk=topk, lora=LoRAEpilogue(t, self.lora_b, self.token_lora, self.enabled, self.ranks,
                                               self.routing.num_experts, self.max_rank),
-                 weights_by_tma=bool(a.get("b_use_tma")))  # where SGLang would take them by TMA itself
+                 weights_by_tma=bool(a.get("b_use_tma")),  # where SGLang would take them by TMA itself
+                 key_groups=self.ranks.numel() + 1)
         self.done = C
 
 

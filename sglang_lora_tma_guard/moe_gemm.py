@@ -53,7 +53,7 @@ def _moe_gemm_kernel(
     # Sizes: N, K of the weights; R routes; S entries of the padded route list; with LORA the slots,
     # the experts the LoRA buffers hold, the columns of one half (N, or N / 2 for a gated gate-up) and
     # the rank stride between halves in T.
-    N, K, num_routes, num_sorted, num_slots, lora_experts, half_width, max_rank,
+    N, K, num_routes, num_sorted, num_slots, lora_experts, half_width, max_rank, num_experts, key_groups,
     # Strides, in elements.
     stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_bias_e, stride_bias_n, stride_se, stride_sn, stride_sk,
@@ -66,6 +66,7 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr,
     B_TMA: tl.constexpr,
+    KEYED: tl.constexpr,  # the route list is lora_moe.route_all's: EXPERT_IDS holds each block's key
 ):
     """C[route, n] = sum_k A[route // ROUTES_PER_A_ROW, k] * B[expert(route), n, k], route-major,
     plus the route's LoRA expand with LORA (before the bias and the routed weight).
@@ -90,7 +91,12 @@ def _moe_gemm_kernel(
     route_ok = routes < num_routes
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if KEYED:  # key = expert * key_groups + adapter + 1; the last key (expert = num_experts): filtered out
+        key = tl.load(expert_ids_ptr + pid_m)
+        adapter = key % key_groups - 1
+        expert = tl.where(key // key_groups < num_experts, key // key_groups, -1).to(tl.int64)
+    else:
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert == -1:
         tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn,
                  tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=route_ok[:, None] & n_ok[None, :])
@@ -103,6 +109,18 @@ def _moe_gemm_kernel(
     if FP8:
         s_ptrs = b_scale_ptr + expert * stride_se + (offs_n // SCALE_BLOCK_N) * stride_sn
         as_ptrs = a_scale_ptr + a_rows * stride_asm
+    if LORA and KEYED:
+        # The block's one delta: its B tile and ranks loaded before the K loop, so that their latency hides
+        # behind it (a block without a delta masks every element: nothing is read).
+        rank = tl.where(adapter >= 0, tl.load(ranks_ptr + tl.maximum(adapter, 0)), 0)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rank
+        half = (pid_n * BLOCK_N) // half_width
+        lora_b = tl.load(_lora_b_base(lora_b_ptr, tl.maximum(adapter, 0), expert, stride_ll, stride_le)
+                         + offs_n[None, :] * stride_ln + offs_r[:, None] * stride_lr,
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        ranks_t = tl.load(t_ptr + routes[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
+                          mask=route_ok[:, None] & r_ok[None, :], other=0.0).to(lora_b.dtype)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k_tile * BLOCK_K
@@ -121,7 +139,10 @@ def _moe_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if LORA:
+    if LORA and KEYED:
+        if adapter >= 0:
+            acc += tl.dot(ranks_t, lora_b)
+    elif LORA:
         acc = _lora_epilogue(acc, routes, route_ok, expert, offs_n, n_ok, pid_n * BLOCK_N,
                              t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
                              num_slots, lora_experts, half_width, max_rank,
@@ -135,6 +156,11 @@ def _moe_gemm_kernel(
     # The output's addresses only now: held across the K loop they would take registers the tiles need.
     tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=route_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le):
+    return lora_b_ptr + adapter.to(tl.int64) * stride_ll + expert * stride_le
 
 
 @triton.jit
@@ -221,7 +247,7 @@ class LoRAEpilogue:
 def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, expert_ids,
              num_post_padded, routes_per_a_row: int, mul_routed_weight: bool, tile: dict,
              scale_block_n: int = 1, topk: int | None = None, lora: LoRAEpilogue | None = None,
-             weights_by_tma: bool = False) -> None:
+             weights_by_tma: bool = False, key_groups: int = 0) -> None:
     """One expert GEMM over SGLang's sorted route list, written route-major into ``out`` (R, N).
 
     ``a`` is fp8 with per-row, per-K-group ``a_scale`` when ``w_scale`` is given (block fp8); then
@@ -229,6 +255,9 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     swizzle of output tiles, unrelated). ``lora``: each route's LoRA expand added in the epilogue
     (``topk``: routes per token, to find a route's adapter; with two halves ``tile["BLOCK_N"]`` must
     divide a half). ``weights_by_tma``: the weight tiles loaded through a tensor descriptor (Hopper).
+    ``key_groups``: the route list is :func:`~sglang_lora_tma_guard.lora_moe.route_all`'s (its sorted ids,
+    block keys and rows used in place of SGLang's three), ``key_groups`` its groups per expert (slots + 1):
+    every block has one adapter, or none, and its epilogue adds one delta.
     """
     experts, n, k = w.shape
     fp8 = w_scale is not None
@@ -257,6 +286,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         assert lora.halves == 1 or half_width % tile["BLOCK_N"] == 0, "a column tile must lie in one half"
         lb, lora_args = lora.lora_b, (lora.t, lora.lora_b, lora.token_lora, lora.enabled, lora.ranks)
         lora_sizes = (lora.ranks.numel(), lora.experts, half_width, lora.max_rank)
+        assert not key_groups or key_groups == lora.ranks.numel() + 1, (key_groups, lora.ranks.numel())
         lora_strides = (lora.t.stride(0), lb.stride(0), 0 if lb.shape[1] == 1 else lb.stride(1), lb.stride(2),
                         lb.stride(3))
     else:
@@ -270,7 +300,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     _moe_gemm_kernel[grid](
         a, a_scale if fp8 else a, w, out, bias if bias is not None else w, w_scale if fp8 else w,
         topk_weights, sorted_ids, expert_ids, num_post_padded, b_desc, *lora_args,
-        n, k, out.shape[0], sorted_ids.shape[0], *lora_sizes,
+        n, k, out.shape[0], sorted_ids.shape[0], *lora_sizes, experts, max(key_groups, 1),
         a.stride(0), a.stride(1), a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
@@ -279,7 +309,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         ROUTES_PER_A_ROW=routes_per_a_row, TOPK=topk or 1, SCALE_BLOCK_N=scale_block_n,
         BLOCK_R=lora.block_r() if lora is not None else 16,
         FP8=fp8, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
-        B_TMA=b_desc is not None, **tile,
+        B_TMA=b_desc is not None, KEYED=key_groups > 0, **tile,
     )
 
 
