@@ -261,10 +261,6 @@ def activate(mode: Mode) -> None:
         logger.exception("unknown LoRA MoE mode %r; SGLang's hooks are used", mode)
         return
     PATCH.activate()
-    if _state.mode is Mode.FAST:
-        fused_lora.activate()
-    else:
-        fused_lora.deactivate()
 
 
 def deactivate() -> None:
@@ -272,7 +268,7 @@ def deactivate() -> None:
     with LOCK:
         _state.mode = None
     PATCH.deactivate()
-    fused_lora.deactivate()
+    fused_lora.deactivate()  # placed only by hand (benchmarks, tests): measured slower than the hooks, see there
 
 
 def bypassed_by(server_args) -> str | None:

@@ -198,10 +198,11 @@ def test_fast_switch_puts_the_fast_hooks_in_sglangs_runner(sglang_plugins, runne
 # un-gated gate-up are the kernel's own test (tests/test_fused_lora.py) and the hooks' test above.
 @pytest.mark.parametrize("name", [p for p in case_params() if p.values[0] not in ("ungated", "odd-widths")])
 def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, runners, name, monkeypatch):
-    """With ``=fast`` the down GEMM of a hooked call is this package's, the down delta in its epilogue
-    (``fused_lora``): taken in SGLang's own runner, the whole call as right as the unfused fast path
-    (the float32 reference MoE; tolerance as above, on outputs of size about 1), and the hook adds
-    nothing twice. Off, the same call goes through SGLang's down GEMM and the hook."""
+    """With the fused down launch placed (``fused_lora``, not placed by ``=fast``: measured slower on the
+    H200) the down GEMM of a fast hooked call is this package's, the down delta in its epilogue: taken in
+    SGLang's own runner, the whole call as right as the unfused fast path (the float32 reference MoE;
+    tolerance as above, on outputs of size about 1), and the hook adds nothing twice. Taken away, the
+    same call goes through SGLang's down GEMM and the hook."""
     from sglang_lora_tma_guard import fused_lora
 
     problem, info = make_case(name, seed=1)
@@ -210,6 +211,8 @@ def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, r
     monkeypatch.setattr(fused_lora.DownWork, "run", lambda self, a: taken.append(a["C"].shape) or run(self, a))
     reference = expected_moe(problem, ReferenceLoRAHooks(info))
     sglang_plugins("fast")
+    assert not fused_lora.PATCH.status().wanted  # =fast alone keeps the hooks' down expand
+    fused_lora.activate()
     assert fused_lora.PATCH.status().working
     fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
     assert taken == [(TOKENS, CASES[name].topk, problem.w2.shape[1])]
