@@ -55,17 +55,25 @@ def _count_kernel(
 
 
 @triton.jit
-def _count_step(start, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, counts_ptr, keys_ptr, slots_ptr,
-                num_pairs, num_loras, num_experts, TOPK: tl.constexpr, BLOCK: tl.constexpr):
-    offs = start + tl.arange(0, BLOCK)
-    in_range = offs < num_pairs
+def _pairs(offs, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_loras, lora_experts,
+           TOPK: tl.constexpr):
+    """The pairs ``offs``: their expert, adapter (0 where unknown) and whether they get a delta."""
     expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
     adapter = tl.load(token_lora_ptr + offs // TOPK, mask=in_range, other=-1).to(tl.int32)
     known = in_range & (adapter >= 0) & (adapter < num_loras)
     adapter = tl.where(known, adapter, 0)
     enabled = tl.load(enabled_ptr + adapter, mask=known, other=0) != 0  # adapter clamped to 0 where unknown
     rank = tl.load(ranks_ptr + adapter, mask=known, other=0)
-    wanted = known & enabled & (rank > 0) & (expert >= 0) & (expert < num_experts)
+    return expert, adapter, known & enabled & (rank > 0) & (expert >= 0) & (expert < lora_experts)
+
+
+@triton.jit
+def _count_step(start, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, counts_ptr, keys_ptr, slots_ptr,
+                num_pairs, num_loras, num_experts, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK)
+    in_range = offs < num_pairs
+    expert, adapter, wanted = _pairs(offs, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_loras,
+                                     num_experts, TOPK)
     key = tl.where(wanted, adapter * num_experts + expert, 0)
     slot = tl.atomic_add(counts_ptr + key, 1, mask=wanted)
     tl.store(keys_ptr + offs, tl.where(wanted, key, -1), mask=in_range)
@@ -244,13 +252,8 @@ def _count_all_kernel(
     expert are neighbours; routes filtered out (-1) share the last key, ``num_experts * (loras + 1)``."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < num_pairs
-    expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    adapter = tl.load(token_lora_ptr + offs // TOPK, mask=in_range, other=-1).to(tl.int32)
-    known = in_range & (adapter >= 0) & (adapter < num_loras)
-    adapter = tl.where(known, adapter, 0)
-    enabled = tl.load(enabled_ptr + adapter, mask=known, other=0) != 0  # adapter clamped to 0 where unknown
-    rank = tl.load(ranks_ptr + adapter, mask=known, other=0)
-    wanted = known & enabled & (rank > 0) & (expert >= 0) & (expert < lora_experts)
+    expert, adapter, wanted = _pairs(offs, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_loras,
+                                     lora_experts, TOPK)
     routed = (expert >= 0) & (expert < num_experts)
     key = tl.where(routed, expert * (num_loras + 1) + tl.where(wanted, adapter + 1, 0), num_experts * (num_loras + 1))
     slot = tl.atomic_add(counts_ptr + key, 1, mask=in_range)
