@@ -148,7 +148,10 @@ def _take_offer() -> DownWork | None:
 
 
 def ready() -> bool:
-    """Would a fused down launch be taken here now? (The launcher placed and on, no compilation.)"""
+    """Would a fused down launch be taken here now? (The launcher placed and on, no compilation.) Asked
+    for every fast batch: one flag read while nothing placed it, as in every server."""
+    if not _placed:
+        return False
     import torch
 
     return not torch.compiler.is_compiling() and PATCH.status().working  # Dynamo never reads the lock
@@ -213,9 +216,16 @@ def _is_default(value, default) -> bool:
 PATCH = Patch("fused LoRA down GEMM", MODULE, NAME, _make)
 
 
+_placed = False
+
+
 def activate() -> None:
+    global _placed
+    _placed = True
     PATCH.activate()
 
 
 def deactivate() -> None:
+    global _placed
+    _placed = False
     PATCH.deactivate()
