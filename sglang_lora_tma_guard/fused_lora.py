@@ -150,7 +150,7 @@ def _take_offer() -> DownWork | None:
 def ready() -> bool:
     """Would a fused down launch be taken here now? (The launcher placed and on, no compilation.) Asked
     for every fast batch: one flag read while nothing placed it, as in every server."""
-    if not _placed:
+    if not PATCH.wanted:
         return False
     import torch
 
@@ -216,16 +216,9 @@ def _is_default(value, default) -> bool:
 PATCH = Patch("fused LoRA down GEMM", MODULE, NAME, _make)
 
 
-_placed = False
-
-
 def activate() -> None:
-    global _placed
-    _placed = True
     PATCH.activate()
 
 
 def deactivate() -> None:
-    global _placed
-    _placed = False
     PATCH.deactivate()

@@ -213,29 +213,55 @@ def route(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: tor
     return _route(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts, block_m)
 
 
+@dataclass(frozen=True)
+class _Scratch:
+    """One routing's int32 buffers, views of one allocation."""
+
+    counts: torch.Tensor
+    keys: torch.Tensor
+    slots: torch.Tensor
+    offsets: torch.Tensor
+    rows_used: torch.Tensor
+    sorted_ids: torch.Tensor
+    block_key: torch.Tensor
+
+    @classmethod
+    def of(cls, num_pairs: int, num_keys: int, block_m: int, device) -> _Scratch:
+        rows = max_rows(num_pairs, num_keys, block_m)
+        sizes = [num_keys, num_pairs, num_pairs, num_keys, 1, rows, rows // block_m]
+        return cls(*torch.split(torch.empty(sum(sizes), dtype=torch.int32, device=device), sizes))
+
+    def place(self, num_pairs: int, block_m: int) -> None:
+        """After the count: each key's first row, then every pair into its row (two launches)."""
+        num_keys, rows = self.counts.numel(), self.sorted_ids.numel()
+        _offsets_kernel[(1,)](self.counts, self.offsets, self.rows_used, self.sorted_ids, num_keys, rows, num_pairs,
+                              BLOCK_M=block_m, BLOCK_KEYS=ROUTE_BLOCK, BLOCK_FILL=ROUTE_BLOCK)
+        _scatter_kernel[(max(1, triton.cdiv(num_pairs, ROUTE_BLOCK)),)](
+            self.keys, self.slots, self.offsets, self.sorted_ids, self.block_key, num_pairs, BLOCK_M=block_m,
+            BLOCK=ROUTE_BLOCK)
+
+    def routing(self, block_m: int, num_pairs: int, num_experts: int) -> Routing:
+        return Routing(self.sorted_ids, self.block_key, self.rows_used, block_m, num_pairs, num_experts)
+
+
 def _route(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts: int, block_m: int) -> Routing:
     tokens, topk = topk_ids.shape
     num_pairs, num_loras = tokens * topk, lora_ranks.numel()
     num_keys = num_loras * num_experts
-    rows = max_rows(num_pairs, num_keys, block_m)
-    device, i32 = topk_ids.device, torch.int32
-    scratch = torch.empty(2 * num_pairs + 2 * num_keys + 1 + rows + rows // block_m, dtype=i32, device=device)
-    counts, keys, slots, offsets, rows_used, sorted_ids, block_key = torch.split(
-        scratch, [num_keys, num_pairs, num_pairs, num_keys, 1, rows, rows // block_m])
+    b = _Scratch.of(num_pairs, num_keys, block_m, topk_ids.device)
     topk_ids = topk_ids.contiguous()
     if num_pairs <= ONE_PROGRAM_PAIRS:
-        _route_one_program_kernel[(1,)](topk_ids, token_lora, adapter_enabled, lora_ranks, counts, keys, slots, offsets,
-                                        rows_used, sorted_ids, block_key, num_pairs, num_loras, num_experts, num_keys,
-                                        rows, TOPK=topk, BLOCK_M=block_m, BLOCK=ROUTE_BLOCK)
-        return Routing(sorted_ids, block_key, rows_used, block_m, num_pairs, num_experts)
-    counts.zero_()
-    grid = (max(1, triton.cdiv(num_pairs, ROUTE_BLOCK)),)
-    _count_kernel[grid](topk_ids, token_lora, adapter_enabled, lora_ranks, counts, keys, slots,
-                        num_pairs, num_loras, num_experts, TOPK=topk, BLOCK=ROUTE_BLOCK)
-    _offsets_kernel[(1,)](counts, offsets, rows_used, sorted_ids, num_keys, rows, num_pairs,
-                          BLOCK_M=block_m, BLOCK_KEYS=ROUTE_BLOCK, BLOCK_FILL=ROUTE_BLOCK)
-    _scatter_kernel[grid](keys, slots, offsets, sorted_ids, block_key, num_pairs, BLOCK_M=block_m, BLOCK=ROUTE_BLOCK)
-    return Routing(sorted_ids, block_key, rows_used, block_m, num_pairs, num_experts)
+        _route_one_program_kernel[(1,)](topk_ids, token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots,
+                                        b.offsets, b.rows_used, b.sorted_ids, b.block_key, num_pairs, num_loras,
+                                        num_experts, num_keys, b.sorted_ids.numel(), TOPK=topk, BLOCK_M=block_m,
+                                        BLOCK=ROUTE_BLOCK)
+        return b.routing(block_m, num_pairs, num_experts)
+    b.counts.zero_()
+    _count_kernel[(max(1, triton.cdiv(num_pairs, ROUTE_BLOCK)),)](
+        topk_ids, token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots, num_pairs, num_loras,
+        num_experts, TOPK=topk, BLOCK=ROUTE_BLOCK)
+    b.place(num_pairs, block_m)
+    return b.routing(block_m, num_pairs, num_experts)
 
 
 @triton.jit
@@ -264,7 +290,7 @@ def _count_all_kernel(
 def route_all(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: torch.Tensor,
               lora_ranks: torch.Tensor, num_experts: int, lora_experts: int, block_m: int) -> Routing:
     """Every pair of the batch grouped by (expert, adapter) for a base GEMM with the delta in its
-    epilogue (:func:`~sglang_lora_tma_guard.moe_gemm.moe_gemm` with ``keyed=True``): each block holds
+    epilogue (:func:`~sglang_lora_tma_guard.moe_gemm.moe_gemm` with ``key_groups``): each block holds
     one expert's pairs of one adapter, or of none (group 0: tokens of the base model, disabled slots,
     slots of rank 0, experts the LoRA buffers do not hold), or the routes filtered out (the last key).
     ``num_experts``: the MoE layer's; ``Routing.num_experts`` is then ``loras + 1``, the groups per expert."""
@@ -272,20 +298,13 @@ def route_all(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled:
     for name, t in (("token_lora", token_lora), ("adapter_enabled", adapter_enabled), ("lora_ranks", lora_ranks)):
         assert t.dtype == torch.int32 and t.is_contiguous() and t.device == topk_ids.device, (name, t.dtype, t.device)
     num_pairs, num_loras = tokens * topk, lora_ranks.numel()
-    num_keys = num_experts * (num_loras + 1) + 1
-    rows = max_rows(num_pairs, num_keys, block_m)
-    i32 = dict(dtype=torch.int32, device=topk_ids.device)
-    scratch = torch.empty(2 * num_pairs + 2 * num_keys + 1 + rows + rows // block_m, **i32)
-    counts, keys, slots, offsets, rows_used, sorted_ids, block_key = torch.split(
-        scratch, [num_keys, num_pairs, num_pairs, num_keys, 1, rows, rows // block_m])
-    counts.zero_()
-    grid = (max(1, triton.cdiv(num_pairs, ROUTE_BLOCK)),)
-    _count_all_kernel[grid](topk_ids.contiguous(), token_lora, adapter_enabled, lora_ranks, counts, keys, slots,
-                            num_pairs, num_loras, num_experts, lora_experts, TOPK=topk, BLOCK=ROUTE_BLOCK)
-    _offsets_kernel[(1,)](counts, offsets, rows_used, sorted_ids, num_keys, rows, num_pairs,
-                          BLOCK_M=block_m, BLOCK_KEYS=ROUTE_BLOCK, BLOCK_FILL=ROUTE_BLOCK)
-    _scatter_kernel[grid](keys, slots, offsets, sorted_ids, block_key, num_pairs, BLOCK_M=block_m, BLOCK=ROUTE_BLOCK)
-    return Routing(sorted_ids, block_key, rows_used, block_m, num_pairs, num_loras + 1)
+    b = _Scratch.of(num_pairs, num_experts * (num_loras + 1) + 1, block_m, topk_ids.device)
+    b.counts.zero_()
+    _count_all_kernel[(max(1, triton.cdiv(num_pairs, ROUTE_BLOCK)),)](
+        topk_ids.contiguous(), token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots, num_pairs,
+        num_loras, num_experts, lora_experts, TOPK=topk, BLOCK=ROUTE_BLOCK)
+    b.place(num_pairs, block_m)
+    return b.routing(block_m, num_pairs, num_loras + 1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def _moe_gemm_kernel(
     t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
     # Sizes: N, K of the weights; R routes; S entries of the padded route list; with LORA the slots,
     # the experts the LoRA buffers hold, the columns of one half (N, or N / 2 for a gated gate-up) and
-    # the rank stride between halves in T.
+    # the rank stride between halves in T; the experts of B, and with KEYED the groups per expert of a key.
     N, K, num_routes, num_sorted, num_slots, lora_experts, half_width, max_rank, num_experts, key_groups,
     # Strides, in elements.
     stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,

@@ -159,6 +159,11 @@ class Patch:
             self._failed("could not be rebuilt")
         return self.status()
 
+    @property
+    def wanted(self) -> bool:
+        """``activate()`` was called and not undone: one attribute read, no lock (for hot paths)."""
+        return self._wanted
+
     def status(self) -> PatchStatus:
         with LOCK:
             module = sys.modules.get(self.module)
