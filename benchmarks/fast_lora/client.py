@@ -3,11 +3,17 @@
     python -m benchmarks.fast_lora.client run PORT OUT.json [lora]
         correctness: 40 greedy requests x 32 new tokens with their top-5 log-probabilities (8 prompts
         alone for each of the 4 adapters, then a wave of 8 mixing them and the base model); "lora"
-        marks a server with adapters
+        marks a server with adapters. OUT.json also lists every request as benchmarks/serving/reference.py
+        scores it (prompt, adapter, output), named after OUT.json's stem
     python -m benchmarks.fast_lora.client load PORT OUT.json [lora]
         decode throughput at 1, 16 and 64 concurrent requests (128 new tokens), and prefill throughput
         (32 concurrent prompts of 1024 tokens, 1 new token): one warm-up wave, then 5 timed, all kept
         with their median
+    python -m benchmarks.fast_lora.client profile PORT TRACE_DIR [lora]
+        SGLang's torch profiler (/start_profile, by stage, 10 steps each) over one prefill wave (32 prompts
+        of 1024 tokens) and one decode wave (64 concurrent requests, 128 new tokens): the first 10 prefill
+        steps in one trace, the first 10 decode steps in another, under TRACE_DIR (summarized by
+        benchmarks/fast_lora/profile.py)
     python -m benchmarks.fast_lora.client compare DEFAULT.json FAST.json
         equal greedy tokens per request, and the log-probability gap at each first differing token
 """
@@ -15,9 +21,10 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-from benchmarks.serving.client import generate, timed_waves, tokens_of, wave
+from benchmarks.serving.client import generate, post, timed_waves, tokens_of, wave
 
 ADAPTERS = ["a1", "a2", "a3", "a4"]
 NEW_TOKENS = 32
@@ -40,7 +47,27 @@ def run(port: int, lora: bool) -> dict:
     jobs = [(prompt(100 + k), mixed[k % len(mixed)]) for k in range(8)]
     for k, out in enumerate(wave(port, jobs, NEW_TOKENS, True)):
         outputs[f"wave8-r{k}-{jobs[k][1] or 'base'}"] = out
-    return {"outputs": outputs}
+    prompts = {f"alone-p{i}-{adapter or 'base'}": (prompt(i), adapter) for i in range(8) for adapter in kinds}
+    prompts.update({f"wave8-r{k}-{job[1] or 'base'}": job for k, job in enumerate(jobs)})
+    requests = [{"prompt": prompts[key][0], "adapter": prompts[key][1], "output": out["ids"]}
+                for key, out in outputs.items()]
+    return {"outputs": outputs, "requests": requests}
+
+
+def profile(port: int, trace_dir: str, lora: bool) -> None:
+    """The traces of one prefill and one decode wave (see the module's docstring), warmed up first."""
+    kinds = ADAPTERS if lora else [None]
+    prefill = [(prompt(500 + k, 1024), kinds[k % len(kinds)]) for k in range(32)]
+    decode = [(prompt(300 + k, 32), kinds[k % len(kinds)]) for k in range(64)]
+    wave(port, prefill, 1)
+    wave(port, decode, 128)
+    answer = post(port, "/start_profile", {"output_dir": os.path.abspath(trace_dir), "num_steps": 10,
+                                           "profile_by_stage": True, "activities": ["CPU", "GPU"],
+                                           "with_stack": True, "record_shapes": False, "profile_id": "trace"})
+    if answer.get("success") is False:
+        raise RuntimeError(f"/start_profile: {answer}")
+    wave(port, prefill, 1)
+    wave(port, decode, 128)
 
 
 def load(port: int, lora: bool) -> dict:
@@ -79,9 +106,14 @@ def compare(default: dict, fast: dict) -> dict:
 
 
 def main(argv) -> int:
+    lora = len(argv) > 3 and argv[3] == "lora"
+    if argv[0] == "profile":
+        profile(int(argv[1]), argv[2], lora)
+        return 0
     if argv[0] in ("run", "load"):
-        lora = len(argv) > 3 and argv[3] == "lora"
         result = run(int(argv[1]), lora) if argv[0] == "run" else load(int(argv[1]), lora)
+        if argv[0] == "run":
+            result["name"] = os.path.basename(argv[2]).removesuffix(".json").removeprefix("run-")
         with open(argv[2], "w") as f:
             json.dump(result, f)
         if argv[0] == "load":

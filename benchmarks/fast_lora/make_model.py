@@ -1,20 +1,33 @@
 """Write a Qwen3-MoE checkpoint with Qwen3-30B-A3B's per-layer shapes (hidden 2048, 128 experts,
-moe_intermediate 768, top-8, 32 query / 4 KV heads of 128) but 3 layers and a 2048-token vocabulary,
-random bf16 weights generated on the GPU, saved as real safetensors; and four peft LoRA adapters on
-its experts (gate, up, down), of ranks 8, 16, 32 and 64.
+moe_intermediate 768, top-8, 32 query / 4 KV heads of 128) and a 2048-token vocabulary, random bf16
+weights generated on the GPU, saved as real safetensors; and four peft LoRA adapters on its experts
+(gate, up, down), of ranks 8, 16, 32 and 64.
 
-    python -m benchmarks.fast_lora.make_model MODEL_DIR LORA_DIR
+    python -m benchmarks.fast_lora.make_model MODEL_DIR LORA_DIR [--layers N] [--tiny]
+
+``--layers`` (default 3): 16 makes a decode step GPU-bound (19 GB of experts, 4.2 GB of adapters).
+``--tiny``: hidden 64, 8 experts of 32, top-2, 4 / 2 heads of 16, 256 tokens, for a CPU check of the
+reference (benchmarks/serving/reference.py) on this model class.
 
 Random weights, but a real checkpoint: SGLang refuses LoRA adapters with --load-format dummy."""
+import argparse
 import json
 import os
-import sys
 
 import torch
 from safetensors.torch import save_file
 
-model, lora = sys.argv[1], sys.argv[2]
-H, E, INTER, TOPK, LAYERS, V, NH, KVH, HD = 2048, 128, 768, 8, 3, 2048, 32, 4, 128
+parser = argparse.ArgumentParser()
+parser.add_argument("model")
+parser.add_argument("lora")
+parser.add_argument("--layers", type=int, default=3)
+parser.add_argument("--tiny", action="store_true")
+args = parser.parse_args()
+model, lora, LAYERS = args.model, args.lora, args.layers
+if args.tiny:
+    H, E, INTER, TOPK, V, NH, KVH, HD = 64, 8, 32, 2, 256, 4, 2, 16
+else:
+    H, E, INTER, TOPK, V, NH, KVH, HD = 2048, 128, 768, 8, 2048, 32, 4, 128
 RANKS = {"a1": 8, "a2": 16, "a3": 32, "a4": 64}
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 g = torch.Generator(device=dev).manual_seed(0)
@@ -48,7 +61,7 @@ for layer in range(LAYERS):
 os.makedirs(model, exist_ok=True)
 save_file(t, f"{model}/model.safetensors")
 json.dump({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
-           "intermediate_size": 6144, "moe_intermediate_size": INTER, "num_experts": E, "num_experts_per_tok": TOPK,
+           "intermediate_size": 3 * H, "moe_intermediate_size": INTER, "num_experts": E, "num_experts_per_tok": TOPK,
            "num_hidden_layers": LAYERS, "num_attention_heads": NH, "num_key_value_heads": KVH, "head_dim": HD,
            "vocab_size": V, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
@@ -68,4 +81,4 @@ for name, r in RANKS.items():
     json.dump({"peft_type": "LORA", "r": r, "lora_alpha": r, "lora_dropout": 0.0, "bias": "none",
                "target_modules": ["gate_proj", "up_proj", "down_proj"], "task_type": "CAUSAL_LM",
                "base_model_name_or_path": model}, open(f"{d}/adapter_config.json", "w"))
-print("model and adapters written")
+print(f"model ({LAYERS} layers) and adapters written")

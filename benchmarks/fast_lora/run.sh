@@ -3,15 +3,23 @@
 # see benchmarks/e2e/setup_there.sh): real SGLang 0.5.16 servers on a model with Qwen3-30B-A3B's layer
 # shapes (make_model.py), one after the other on GPU 0: no LoRA, SGLang's default LoRA MoE path
 # (SGLANG_LORA_TMA_GUARD=1), this package's fast path (=fast). Each: correctness requests, then
-# decode and prefill throughput (client.py). Then the fast run is compared with the default one.
-#   bash benchmarks/fast_lora/run.sh [names...]    (default: default fast nolora); results under ${OUT:-results}/
-# DTYPE=float16|bfloat16 (default bfloat16): the servers' --dtype; RUN_ONLY=1: correctness requests only.
+# decode and prefill throughput (client.py), then (PROFILE=1) a profile of a prefill and a decode wave
+# (client.py profile, summarized by profile.py). "score": every run so far scored against transformers'
+# fp32 model with each adapter merged (benchmarks/serving/reference.py), then the fast run compared with
+# the default one.
+#   bash benchmarks/fast_lora/run.sh [names...]    (default: default fast nolora score); results under ${OUT:-results}/
+# LAYERS (default 3): the model's depth; 16 makes a decode step GPU-bound. DTYPE=float16|bfloat16 (default
+# bfloat16): the servers' --dtype. RUN_ONLY=1: correctness requests only. The runs are kept on the machine
+# too ($E2E/runs-L$LAYERS), so "score" may come in a later call than the servers.
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 source benchmarks/serving/server.sh
 export OUT="${OUT:-results}"; mkdir -p "$OUT"
-model="$E2E/q3-model" lora="$E2E/q3-lora"
-[ -f "$model/model.safetensors" ] || python3 -m benchmarks.fast_lora.make_model "$model" "$lora"
+layers="${LAYERS:-3}" suffix=
+[ "$layers" = 3 ] || suffix="-L$layers"
+model="$E2E/q3-model$suffix" lora="$E2E/q3-lora$suffix" keep="$E2E/runs-L$layers"
+mkdir -p "$keep"
+[ -f "$model/model.safetensors" ] || python3 -m benchmarks.fast_lora.make_model "$model" "$lora" --layers "$layers"
 
 serve() {  # NAME PORT GUARD_VALUE LORA(yes|no)
   local name="$1" port="$2" guard="$3" use_lora="$4" log="$OUT/server-$1.log" tag=
@@ -21,29 +29,40 @@ serve() {  # NAME PORT GUARD_VALUE LORA(yes|no)
     lora_args=(--enable-lora --lora-paths a1="$lora/a1" a2="$lora/a2" a3="$lora/a3" a4="$lora/a4"
                --max-loras-per-batch 5 --max-lora-rank 64)
   fi
-  if start_server "$log" "$port" 150 SGLANG_LORA_TMA_GUARD="$guard" -- --model-path "$model" --skip-tokenizer-init \
+  if start_server "$log" "$port" 200 SGLANG_LORA_TMA_GUARD="$guard" -- --model-path "$model" --skip-tokenizer-init \
       "${lora_args[@]}" --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
       --dtype "${DTYPE:-bfloat16}" --cuda-graph-max-bs 64 --mem-fraction-static 0.5 --disable-radix-cache \
       --random-seed 0; then
     echo "== $name: up after $SERVER_UP_S s"
     python3 -m benchmarks.fast_lora.client run "$port" "$OUT/run-$name.json" $tag
+    cp "$OUT/run-$name.json" "$keep/"
     if [ -z "${RUN_ONLY:-}" ]; then
       python3 -m benchmarks.fast_lora.client load "$port" "$OUT/load-$name.json" $tag | sed "s/^/== $name load: /"
+    fi
+    if [ -n "${PROFILE:-}" ]; then
+      rm -rf "$keep/trace-$name"
+      python3 -m benchmarks.fast_lora.client profile "$port" "$keep/trace-$name" $tag
+      sleep 5  # the scheduler writes the decode trace after its last profiled step
+      python3 -m benchmarks.fast_lora.profile "$keep/trace-$name" "$name" "$OUT/profile-$name.json" || true
     fi
   fi
   guard_lines "$log"
   stop_server
 }
 
-names=("$@"); [ "${#names[@]}" = 0 ] && names=(default fast nolora)
+names=("$@"); [ "${#names[@]}" = 0 ] && names=(default fast nolora score)
 for name in "${names[@]}"; do
   case "$name" in
     default) serve default 32001 1 yes ;;
     fast) serve fast 32002 fast yes ;;
     nolora) serve nolora 32003 1 no ;;
+    score)
+      runs=("$keep"/run-*.json)
+      python3 -m benchmarks.serving.reference "$model" "$lora" "${runs[@]}" --out "$OUT/verdict-reference.txt"
+      if [ -f "$keep/run-default.json" ] && [ -f "$keep/run-fast.json" ]; then
+        python3 -m benchmarks.fast_lora.client compare "$keep/run-default.json" "$keep/run-fast.json" > "$OUT/verdict.json"
+        head -8 "$OUT/verdict.json"
+      fi ;;
+    *) echo "unknown name $name (default, fast, nolora, score)"; exit 2 ;;
   esac
 done
-if [ -f "$OUT/run-default.json" ] && [ -f "$OUT/run-fast.json" ]; then
-  python3 -m benchmarks.fast_lora.client compare "$OUT/run-default.json" "$OUT/run-fast.json" > "$OUT/verdict.json"
-  head -8 "$OUT/verdict.json"
-fi

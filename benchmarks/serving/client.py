@@ -19,13 +19,18 @@ TIMEOUT_S = 600
 
 
 def post(port: int, path: str, body: dict) -> dict:
-    """POST ``body`` as JSON to ``path``; an HTTP error comes back as ``{"success": False, ...}``."""
+    """POST ``body`` as JSON to ``path``; an HTTP error comes back as ``{"success": False, ...}``, an
+    answer in plain text (``/start_profile``'s) as ``{"text": ...}``."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     try:
-        return json.loads(urllib.request.urlopen(request, timeout=TIMEOUT_S).read() or b"{}")
+        answer = urllib.request.urlopen(request, timeout=TIMEOUT_S).read() or b"{}"
     except urllib.error.HTTPError as error:
         return {"success": False, "status": error.code, "message": error.read().decode()[:500]}
+    try:
+        return json.loads(answer)
+    except json.JSONDecodeError:
+        return {"text": answer.decode(errors="replace")[:500]}
 
 
 def generate(port: int, ids: list[int], lora: str | None, new_tokens: int, logprobs: bool = False) -> dict:

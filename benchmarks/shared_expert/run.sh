@@ -68,6 +68,6 @@ else
 fi
 runs=("$OUT"/run-"$arch"-*.json)
 if [ -f "${runs[0]}" ]; then
-  python3 -m benchmarks.shared_expert.reference "$model" "$lora" "${runs[@]}" --out "$OUT/verdict-$arch.txt"
+  python3 -m benchmarks.serving.reference "$model" "$lora" "${runs[@]}" --out "$OUT/verdict-$arch.txt"
 fi
 show_loads

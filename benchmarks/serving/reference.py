@@ -1,6 +1,6 @@
 """Score a server's greedy tokens against a PyTorch reference of the same model and adapters.
 
-    python -m benchmarks.shared_expert.reference MODEL_DIR LORA_DIR RUN.json [RUN.json ...] [--device cuda] [--out VERDICT.txt]
+    python -m benchmarks.serving.reference MODEL_DIR LORA_DIR RUN.json [RUN.json ...] [--device cuda] [--out VERDICT.txt]
 
 The reference is transformers' own model class for the checkpoint (``Glm4MoeForCausalLM``,
 ``DeepseekV3ForCausalLM``) in fp32, each adapter merged into its weights as peft defines it:
@@ -89,12 +89,15 @@ class Reference:
 
 
 def verdict(ref: Reference, runs: list[str]) -> str:
-    lines = [f"Teacher-forced against transformers' fp32 model with each adapter merged; a position is bad when "
-             f"the reference's best token beats the server's by > {NATS} nats; a request is right with at most "
-             f"a quarter of its positions bad ({max_bad(24)} of 24, {max_bad(256)} of 256)."]
+    loaded = []
     for path in runs:
         with open(path) as f:
-            run = json.load(f)
+            loaded.append((path, json.load(f)))
+    lengths = sorted({len(r["output"]) for _, run in loaded for r in run["requests"]})
+    lines = [f"Teacher-forced against transformers' fp32 model with each adapter merged; a position is bad when "
+             f"the reference's best token beats the server's by > {NATS} nats; a request is right with at most "
+             f"a quarter of its positions bad ({', '.join(f'{max_bad(n)} of {n}' for n in lengths)})."]
+    for path, run in loaded:
         scored: dict[str, list[dict]] = {}
         for request in sorted(run["requests"], key=lambda r: r["adapter"] or ""):
             ref.use(request["adapter"])

@@ -1,0 +1,101 @@
+"""Where a server step's time goes: a summary of the torch-profiler traces of client.py profile.
+
+    python -m benchmarks.fast_lora.profile TRACE_DIR NAME [OUT.json]
+
+For each trace under TRACE_DIR (SGLang names them ``trace-TP-0-EXTEND.trace.json.gz`` and
+``...-DECODE...``): the steps it holds (calls of the model runner's ``forward``), the wall span of its
+GPU work, the time the GPU was busy (the union of its kernels and copies), the kernels' time by
+category (table below, first match wins), the host's time in SGLang's per-batch LoRA preparation
+(``LoRAManager.prepare_lora_batch``) and in this package's Python (its hooks' planning on an eager
+step; nothing of it runs in a CUDA-graph replay), and the 12 kernels that took longest. Per step, in ms.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import re
+import sys
+
+# Kernel name -> category, the first pattern that matches. "moe_lora": SGLang's LoRA MoE kernels and this
+# package's (its routing, shrink and expand); "moe_base": the expert GEMMs and what serves them.
+CATEGORIES = [
+    ("moe_lora", re.compile(r"lora|^_(count|count_all|offsets|scatter|route_one_program|shrink|expand)_kernel$")),
+    ("moe_base", re.compile(r"fused_moe|moe_align|moe_sum|act_and_mul|silu_and_mul|topk|_moe_gemm|_gated_activation"
+                            r"|count_and_sort|moe_")),
+    ("attention", re.compile(r"attention|attn|_fwd_kernel|_fwd_grouped|decode|extend|rotary|rope", re.I)),
+    ("dense_gemm", re.compile(r"gemm|nvjet|cutlass|sm90_|xmma|cublas|splitk", re.I)),
+    ("norm", re.compile(r"norm", re.I)),
+]
+STEP = re.compile(r"model_runner\.py\(\d+\): forward$")
+LORA_PREP = re.compile(r"lora_manager\.py\(\d+\): prepare_lora_batch$")
+OURS = re.compile(r"sglang_lora_tma_guard/")
+
+
+def category(kernel: str) -> str:
+    return next((name for name, pattern in CATEGORIES if pattern.search(kernel)), "other")
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def summarize(path: str) -> dict:
+    with gzip.open(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernels = [e for e in gpu if e["cat"] == "kernel"]
+    python = [e for e in events if e.get("cat") == "python_function"]
+    steps = sum(1 for e in python if STEP.search(e["name"])) or None
+    per = 1.0 / (1000.0 * (steps or 1))
+    by_category: dict[str, float] = collections.Counter()
+    by_kernel: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        by_category[category(e["name"])] += e["dur"]
+        by_kernel[e["name"]][0] += e["dur"]
+        by_kernel[e["name"]][1] += 1
+    span = (max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)) if gpu else 0.0
+    by_thread = collections.defaultdict(list)
+    for e in python:
+        if OURS.search(e["name"]):
+            by_thread[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    top = sorted(by_kernel.items(), key=lambda item: -item[1][0])[:12]
+    return {
+        "trace": path, "steps": steps,
+        "gpu_span_ms": round(span * per, 3),
+        "gpu_busy_ms": round(union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) * per, 3),
+        "kernels_ms": {name: round(us * per, 3) for name, us in sorted(by_category.items(), key=lambda kv: -kv[1])},
+        "host_lora_prep_ms": round(sum(e["dur"] for e in python if LORA_PREP.search(e["name"])) * per, 3),
+        "host_ours_ms": round(sum(union_us(v) for v in by_thread.values()) * per, 3),
+        "top_kernels": [{"name": name[:90], "ms": round(us * per, 4), "calls_per_step": round(n / (steps or 1), 1),
+                         "category": category(name)} for name, (us, n) in top],
+    }
+
+
+def main(argv: list[str]) -> int:
+    trace_dir, name = argv[0], argv[1]
+    result = {}
+    for path in sorted(glob.glob(f"{trace_dir}/*.trace.json.gz")):
+        stage = "decode" if "DECODE" in path.upper() else "prefill"
+        result[stage] = summarize(path)
+    if len(argv) > 2:
+        with open(argv[2], "w") as f:
+            json.dump(result, f, indent=1)
+    for stage, s in result.items():
+        cats = ", ".join(f"{k} {v}" for k, v in s["kernels_ms"].items())
+        print(f"== {name} {stage}: {s['steps']} steps; per step: GPU span {s['gpu_span_ms']} ms, busy "
+              f"{s['gpu_busy_ms']}; kernels: {cats}; host LoRA prep {s['host_lora_prep_ms']}, ours "
+              f"{s['host_ours_ms']}")
+    return 0 if result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
