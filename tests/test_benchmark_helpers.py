@@ -4,13 +4,20 @@ a stand-in for ``sglang.launch_server`` (``tests/fake_server``: the H200 runs us
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from benchmarks.fast_lora import profile
+from benchmarks.serving.reference import Reference, verdict
 from harness import tables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,3 +75,98 @@ def test_a_server_that_exits_at_start_is_said_and_not_waited_for(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "start failed: 1" in done.stdout and "fake server: exiting at start" in done.stdout
     assert int(done.stdout.split("after ")[-1].split()[0]) < 10  # not 30 checks of 2 s: it saw the exit
+
+
+def test_a_profile_is_summarized_per_step_by_category(tmp_path, capsys):
+    def x(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    forward = "sglang/srt/model_executor/model_runner.py(1232): forward"
+    prep = "sglang/srt/lora/lora_manager.py(368): prepare_lora_batch"
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "python"}},
+        x("python_function", forward, 0, 5000), x("python_function", forward, 10000, 5000),
+        x("python_function", "sglang/srt/model_executor/model_runner.py(1300): forward_decode", 50, 4000),
+        x("python_function", prep, 100, 300), x("python_function", prep, 10100, 500),
+        # Ours: [200, 1200] with [400, 600] nested in it on tid 1, [10200, 10600] on tid 1, [300, 900] on tid 2.
+        x("python_function", "sglang_lora_tma_guard/fused_lora.py(10): plan", 200, 1000),
+        x("python_function", "sglang_lora_tma_guard/lora_moe.py(20): route", 400, 200),
+        x("python_function", "sglang_lora_tma_guard/fused_lora.py(10): plan", 10200, 400),
+        x("python_function", "sglang_lora_tma_guard/fused_lora.py(10): plan", 300, 600, tid=2),
+        x("python_function", "torch/nn/modules/module.py(1750): _call_impl", 0, 15000),
+        # Step 1's GPU work: [900, 1650] [2000, 2250] [2300, 2900] [2950, 3050] busy, 1700 us of 1900 us summed.
+        x("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 900, 200),
+        x("kernel", "fused_moe_kernel", 1000, 400),
+        x("kernel", "_shrink_kernel", 1400, 100),
+        x("kernel", "_fused_moe_lora_kernel", 1450, 200),
+        x("kernel", "_fwd_kernel_stage1", 2000, 250),
+        x("kernel", "nvjet_tst_128x64", 2300, 600),
+        x("kernel", "rmsnorm_kernel", 2950, 50),
+        x("kernel", "elementwise_kernel", 2950, 100),
+        # Step 2's: [11000, 11700] [12000, 12600] [12700, 12900] busy, 1500 us.
+        x("kernel", "fused_moe_kernel", 11000, 400),
+        x("kernel", "_fused_moe_lora_kernel", 11400, 300),
+        x("kernel", "nvjet_tst_128x64", 12000, 300),
+        x("kernel", "nvjet_tst_128x64", 12300, 300),
+        x("kernel", "_fwd_kernel_stage1", 12700, 200),
+    ]
+    trace_dir = tmp_path / "traces"
+    trace_dir.mkdir()
+    path = trace_dir / "trace-TP-0-DECODE.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = profile.summarize(str(path))
+    assert summary["trace"] == str(path)
+    assert summary["steps"] == 2
+    assert summary["gpu_span_ms"] == 6.0  # (12900 - 900) / 2 / 1000
+    assert summary["gpu_busy_ms"] == 1.6  # (1700 + 1500) / 2 / 1000; summed durations would give 1.7
+    assert list(summary["kernels_ms"].items()) == [("dense_gemm", 0.6), ("moe_base", 0.4), ("moe_lora", 0.3),
+                                                   ("attention", 0.225), ("other", 0.05), ("norm", 0.025)]
+    assert summary["host_lora_prep_ms"] == 0.4  # (300 + 500) / 2 / 1000
+    assert summary["host_ours_ms"] == 1.0  # (1000 + 400 + 600) / 2 / 1000; the nested 200 us not again
+    assert summary["top_kernels"][0] == {"name": "nvjet_tst_128x64", "ms": 0.6, "calls_per_step": 1.5,
+                                         "category": "dense_gemm"}
+    assert [k["name"] for k in summary["top_kernels"][:4]] == [
+        "nvjet_tst_128x64", "fused_moe_kernel", "_fused_moe_lora_kernel", "_fwd_kernel_stage1"]
+    assert len(summary["top_kernels"]) == 7
+
+    out = tmp_path / "profile.json"
+    assert profile.main([str(trace_dir), "x", str(out)]) == 0
+    assert json.loads(out.read_text()) == {"decode": summary}
+    assert "== x decode: 2 steps; per step: GPU span 6.0 ms, busy 1.6;" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert profile.main([str(empty), "x"]) == 1
+
+
+@pytest.mark.slow  # about 7 s on CPU: the checkpoint written, transformers' model loaded, 9 greedy generations
+def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tmp_path):
+    model, lora = tmp_path / "model", tmp_path / "lora"
+    made = subprocess.run([sys.executable, "-m", "benchmarks.fast_lora.make_model", str(model), str(lora),
+                           "--layers", "2", "--tiny"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    ref = Reference(str(model), str(lora), "cpu")
+    prompts = [[219, 101, 197, 230, 110, 13, 69, 250], [133, 127, 106, 238, 203, 215, 80, 250],
+               [125, 94, 152, 231, 235, 58, 132, 38]]
+    requests = []
+    for adapter in (None, "a1", "a4"):
+        ref.use(adapter)
+        for prompt in prompts:
+            out = ref.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     max_new_tokens=16, do_sample=False, pad_token_id=0)
+            requests.append({"prompt": prompt, "adapter": adapter, "output": out[0, len(prompt):].tolist()})
+    assert all(len(r["output"]) == 16 for r in requests)
+    swap = {None: None, "a1": "a4", "a4": "a1"}
+    self_path, swapped_path = tmp_path / "self.json", tmp_path / "swapped.json"
+    self_path.write_text(json.dumps({"name": "self", "requests": requests}))
+    swapped_path.write_text(json.dumps({"name": "swapped", "requests": [
+        {**r, "adapter": swap[r["adapter"]]} for r in requests]}))
+
+    text = verdict(ref, [str(self_path), str(swapped_path)])
+    assert "VERDICT self: 9/9 right" in text
+    right, total = map(int, re.search(r"VERDICT swapped: (\d+)/(\d+) right", text).groups())
+    assert total == 9 and right < 9
+    for r in requests:
+        ref.use(r["adapter"])
+        assert ref.score(r["prompt"], r["output"])["bad"] == 0

@@ -10,19 +10,22 @@
         (32 concurrent prompts of 1024 tokens, 1 new token): one warm-up wave, then 5 timed, all kept
         with their median
     python -m benchmarks.fast_lora.client profile PORT TRACE_DIR [lora]
-        SGLang's torch profiler (/start_profile, by stage, 10 steps each) over one prefill wave (32 prompts
-        of 1024 tokens) and one decode wave (64 concurrent requests, 128 new tokens): the first 10 prefill
-        steps in one trace, the first 10 decode steps in another, under TRACE_DIR (summarized by
-        benchmarks/fast_lora/profile.py)
+        SGLang's torch profiler (/start_profile ... /stop_profile) over one prefill wave (32 prompts of
+        1024 tokens, 1 new token) and over 0.3 s of steady decoding (64 concurrent requests, 256 new
+        tokens, 0.8 s in): TRACE_DIR/prefill-*.trace.json.gz and decode-*, summarized by
+        benchmarks/fast_lora/profile.py
     python -m benchmarks.fast_lora.client compare DEFAULT.json FAST.json
         equal greedy tokens per request, and the log-probability gap at each first differing token
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.serving.client import generate, post, timed_waves, tokens_of, wave
 
@@ -54,20 +57,36 @@ def run(port: int, lora: bool) -> dict:
     return {"outputs": outputs, "requests": requests}
 
 
+def ask(port: int, path: str, body: dict) -> None:
+    answer = post(port, path, body)
+    if answer.get("success") is False:
+        raise RuntimeError(f"{path}: {answer}")
+
+
+@contextlib.contextmanager
+def traced(port: int, trace_dir: str, stage: str):
+    """SGLang's torch profiler from entry to exit; it writes TRACE_DIR/STAGE-TP-0.trace.json.gz as it stops."""
+    ask(port, "/start_profile", {"output_dir": os.path.abspath(trace_dir), "profile_id": stage,
+                                 "activities": ["CPU", "GPU"], "with_stack": True, "record_shapes": False})
+    yield
+    ask(port, "/stop_profile", {})
+
+
 def profile(port: int, trace_dir: str, lora: bool) -> None:
-    """The traces of one prefill and one decode wave (see the module's docstring), warmed up first."""
+    """The traces of the module's docstring, each wave warmed up first."""
     kinds = ADAPTERS if lora else [None]
     prefill = [(prompt(500 + k, 1024), kinds[k % len(kinds)]) for k in range(32)]
     decode = [(prompt(300 + k, 32), kinds[k % len(kinds)]) for k in range(64)]
     wave(port, prefill, 1)
-    wave(port, decode, 128)
-    answer = post(port, "/start_profile", {"output_dir": os.path.abspath(trace_dir), "num_steps": 10,
-                                           "profile_by_stage": True, "activities": ["CPU", "GPU"],
-                                           "with_stack": True, "record_shapes": False, "profile_id": "trace"})
-    if answer.get("success") is False:
-        raise RuntimeError(f"/start_profile: {answer}")
-    wave(port, prefill, 1)
-    wave(port, decode, 128)
+    wave(port, decode, 32)
+    with traced(port, trace_dir, "prefill"):
+        wave(port, prefill, 1)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(wave, port, decode, 256)
+        time.sleep(0.8)  # every request past its prefill: a batch of 64 decoding
+        with traced(port, trace_dir, "decode"):
+            time.sleep(0.3)
+        running.result()
 
 
 def load(port: int, lora: bool) -> dict:

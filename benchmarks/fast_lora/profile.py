@@ -16,6 +16,7 @@ import collections
 import glob
 import gzip
 import json
+import os
 import re
 import sys
 
@@ -84,7 +85,7 @@ def main(argv: list[str]) -> int:
     trace_dir, name = argv[0], argv[1]
     result = {}
     for path in sorted(glob.glob(f"{trace_dir}/*.trace.json.gz")):
-        stage = "decode" if "DECODE" in path.upper() else "prefill"
+        stage = "decode" if "DECODE" in os.path.basename(path).upper() else "prefill"
         result[stage] = summarize(path)
     if len(argv) > 2:
         with open(argv[2], "w") as f:

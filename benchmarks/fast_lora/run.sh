@@ -3,14 +3,15 @@
 # see benchmarks/e2e/setup_there.sh): real SGLang 0.5.16 servers on a model with Qwen3-30B-A3B's layer
 # shapes (make_model.py), one after the other on GPU 0: no LoRA, SGLang's default LoRA MoE path
 # (SGLANG_LORA_TMA_GUARD=1), this package's fast path (=fast). Each: correctness requests, then
-# decode and prefill throughput (client.py), then (PROFILE=1) a profile of a prefill and a decode wave
-# (client.py profile, summarized by profile.py). "score": every run so far scored against transformers'
+# decode and prefill throughput, then a profile of a prefill wave and of steady decoding (client.py
+# run, load, profile; the profile summarized by profile.py). "score": every run so far scored against transformers'
 # fp32 model with each adapter merged (benchmarks/serving/reference.py), then the fast run compared with
 # the default one.
 #   bash benchmarks/fast_lora/run.sh [names...]    (default: default fast nolora score); results under ${OUT:-results}/
 # LAYERS (default 3): the model's depth; 16 makes a decode step GPU-bound. DTYPE=float16|bfloat16 (default
-# bfloat16): the servers' --dtype. RUN_ONLY=1: correctness requests only. The runs are kept on the machine
-# too ($E2E/runs-L$LAYERS), so "score" may come in a later call than the servers.
+# bfloat16): the servers' --dtype. STEPS (default "run load profile"): which of the client's steps each
+# server takes. The runs are kept on the machine too ($E2E/runs-L$LAYERS), so "score" may come in a later
+# call than the servers.
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 source benchmarks/serving/server.sh
@@ -34,17 +35,17 @@ serve() {  # NAME PORT GUARD_VALUE LORA(yes|no)
       --dtype "${DTYPE:-bfloat16}" --cuda-graph-max-bs 64 --mem-fraction-static 0.5 --disable-radix-cache \
       --random-seed 0; then
     echo "== $name: up after $SERVER_UP_S s"
-    python3 -m benchmarks.fast_lora.client run "$port" "$OUT/run-$name.json" $tag
-    cp "$OUT/run-$name.json" "$keep/"
-    if [ -z "${RUN_ONLY:-}" ]; then
-      python3 -m benchmarks.fast_lora.client load "$port" "$OUT/load-$name.json" $tag | sed "s/^/== $name load: /"
-    fi
-    if [ -n "${PROFILE:-}" ]; then
-      rm -rf "$keep/trace-$name"
-      python3 -m benchmarks.fast_lora.client profile "$port" "$keep/trace-$name" $tag
-      sleep 5  # the scheduler writes the decode trace after its last profiled step
-      python3 -m benchmarks.fast_lora.profile "$keep/trace-$name" "$name" "$OUT/profile-$name.json" || true
-    fi
+    local step
+    for step in ${STEPS:-run load profile}; do
+      case "$step" in
+        run) python3 -m benchmarks.fast_lora.client run "$port" "$OUT/run-$name.json" $tag
+             cp "$OUT/run-$name.json" "$keep/" ;;
+        load) python3 -m benchmarks.fast_lora.client load "$port" "$OUT/load-$name.json" $tag | sed "s/^/== $name load: /" ;;
+        profile) rm -rf "$keep/trace-$name"
+                 python3 -m benchmarks.fast_lora.client profile "$port" "$keep/trace-$name" $tag
+                 python3 -m benchmarks.fast_lora.profile "$keep/trace-$name" "$name" "$OUT/profile-$name.json" || true ;;
+      esac
+    done
   fi
   guard_lines "$log"
   stop_server
