@@ -166,6 +166,12 @@ def _say_once(reason: str) -> None:
         logger.info("a LoRA down GEMM runs unfused (the hook adds its delta): %s (logged once)", reason)
 
 
+def _say_once_taken() -> None:
+    if "taken" not in _said:
+        _said.add("taken")
+        logger.info("the down LoRA delta of fast batches is added in the down GEMM's epilogue (logged once)")
+
+
 def _make(original, engaged: Engaged):
     if not callable(original):
         logger.info("%s.%s not found; the LoRA down expand stays a hook", MODULE, NAME)
@@ -198,6 +204,7 @@ def _make(original, engaged: Engaged):
         if reason is None:
             try:
                 work.run(bound.arguments)
+                _say_once_taken()
                 return None
             except Exception:  # nothing of C is served from a failed launch: SGLang's GEMM overwrites it
                 logger.exception("the fused LoRA down GEMM failed; SGLang's GEMM and the hook run instead")

@@ -2,11 +2,12 @@
 # On the H200 machine, from the repository root, with the kit of benchmarks/e2e/fetch_kit.sh (two calls,
 # see benchmarks/e2e/setup_there.sh): real SGLang 0.5.16 servers on a model with Qwen3-30B-A3B's layer
 # shapes (make_model.py), one after the other on GPU 0: no LoRA, SGLang's default LoRA MoE path
-# (SGLANG_LORA_TMA_GUARD=1), this package's fast path (=fast). Each: correctness requests, then
-# decode and prefill throughput, then a profile of a prefill wave and of steady decoding (client.py
-# run, load, profile; the profile summarized by profile.py). "score": every run so far scored against transformers'
-# fp32 model with each adapter merged (benchmarks/serving/reference.py), then the fast run compared with
-# the default one.
+# (SGLANG_LORA_TMA_GUARD=1), this package's fast path (=fast), and on request ("fused") the fast path
+# with the down delta in the down GEMM's epilogue (placed by fused_site/sitecustomize.py). Each:
+# correctness requests, decode and prefill throughput, a profile of a prefill wave and of steady
+# decoding (client.py run, load, profile; the profile summarized by profile.py). "score": every run so
+# far scored against transformers' fp32 model with each adapter merged (benchmarks/serving/reference.py),
+# then the fast run compared with the default one.
 #   bash benchmarks/fast_lora/run.sh [names...]    (default: default fast nolora score); results under ${OUT:-results}/
 # LAYERS (default 3): the model's depth; 16 makes a decode step GPU-bound. DTYPE=float16|bfloat16 (default
 # bfloat16): the servers' --dtype. STEPS (default "run load profile"): which of the client's steps each
@@ -22,15 +23,16 @@ model="$E2E/q3-model$suffix" lora="$E2E/q3-lora$suffix" keep="$E2E/runs-L$layers
 mkdir -p "$keep"
 [ -f "$model/model.safetensors" ] || python3 -m benchmarks.fast_lora.make_model "$model" "$lora" --layers "$layers"
 
-serve() {  # NAME PORT GUARD_VALUE LORA(yes|no)
+serve() {  # NAME PORT GUARD_VALUE LORA(yes|no) [VAR=VALUE ...]
   local name="$1" port="$2" guard="$3" use_lora="$4" log="$OUT/server-$1.log" tag=
+  shift 4
   local lora_args=()
   if [ "$use_lora" = yes ]; then
     tag=lora
     lora_args=(--enable-lora --lora-paths a1="$lora/a1" a2="$lora/a2" a3="$lora/a3" a4="$lora/a4"
                --max-loras-per-batch 5 --max-lora-rank 64)
   fi
-  if start_server "$log" "$port" 200 SGLANG_LORA_TMA_GUARD="$guard" -- --model-path "$model" --skip-tokenizer-init \
+  if start_server "$log" "$port" 200 SGLANG_LORA_TMA_GUARD="$guard" "$@" -- --model-path "$model" --skip-tokenizer-init \
       "${lora_args[@]}" --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
       --dtype "${DTYPE:-bfloat16}" --cuda-graph-max-bs 64 --mem-fraction-static 0.5 --disable-radix-cache \
       --random-seed 0; then
@@ -56,6 +58,7 @@ for name in "${names[@]}"; do
   case "$name" in
     default) serve default 32001 1 yes ;;
     fast) serve fast 32002 fast yes ;;
+    fused) serve fused 32004 fast yes PYTHONPATH="$PWD/benchmarks/fast_lora/fused_site:$PYTHONPATH" ;;
     nolora) serve nolora 32003 1 no ;;
     score)
       runs=("$keep"/run-*.json)
@@ -64,6 +67,6 @@ for name in "${names[@]}"; do
         python3 -m benchmarks.fast_lora.client compare "$keep/run-default.json" "$keep/run-fast.json" > "$OUT/verdict.json"
         head -8 "$OUT/verdict.json"
       fi ;;
-    *) echo "unknown name $name (default, fast, nolora, score)"; exit 2 ;;
+    *) echo "unknown name $name (default, fast, fused, nolora, score)"; exit 2 ;;
   esac
 done
