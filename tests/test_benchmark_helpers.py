@@ -66,6 +66,22 @@ def test_a_server_is_waited_for_asked_and_stopped(tmp_path):
     assert load["tokens_per_s_waves"] == sorted(load["tokens_per_s_waves"])
 
 
+def test_a_runs_requests_are_kept_as_the_reference_scores_them(tmp_path):
+    port, log, out = free_port(), tmp_path / "server.log", tmp_path / "run-fast.json"
+    done = run_campaign(tmp_path, f"""
+        start_server {log} {port} 20 -- --model-path m
+        python3 -m benchmarks.fast_lora.client run {port} {out} lora
+        stop_server""")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(out.read_text())
+    assert run["name"] == "fast" and len(run["requests"]) == len(run["outputs"]) == 40
+    for request, (key, answer) in zip(run["requests"], run["outputs"].items()):
+        # The stand-in answers the prompt's last id plus one, counting up: each output is its own prompt's.
+        assert request["output"] == answer["ids"] == [request["prompt"][-1] + 1 + k for k in range(32)]
+        assert key.endswith(request["adapter"] or "base")
+    assert [r["adapter"] for r in run["requests"][-8:]] == [None, "a1", "a2", "a3", "a4", None, "a1", "a2"]
+
+
 def test_a_server_that_exits_at_start_is_said_and_not_waited_for(tmp_path):
     port, log = free_port(), tmp_path / "server.log"
     done = run_campaign(tmp_path, f"""

@@ -42,17 +42,14 @@ def prompt(i: int, length: int | None = None) -> list[int]:
 
 def run(port: int, lora: bool) -> dict:
     kinds = ADAPTERS if lora else [None]
-    outputs = {}
-    for i in range(8):
-        for adapter in kinds:
-            outputs[f"alone-p{i}-{adapter or 'base'}"] = generate(port, prompt(i), adapter, NEW_TOKENS, True)
+    alone = {f"alone-p{i}-{adapter or 'base'}": (prompt(i), adapter) for i in range(8) for adapter in kinds}
     mixed = [None, *kinds] if lora else kinds
-    jobs = [(prompt(100 + k), mixed[k % len(mixed)]) for k in range(8)]
-    for k, out in enumerate(wave(port, jobs, NEW_TOKENS, True)):
-        outputs[f"wave8-r{k}-{jobs[k][1] or 'base'}"] = out
-    prompts = {f"alone-p{i}-{adapter or 'base'}": (prompt(i), adapter) for i in range(8) for adapter in kinds}
-    prompts.update({f"wave8-r{k}-{job[1] or 'base'}": job for k, job in enumerate(jobs)})
-    requests = [{"prompt": prompts[key][0], "adapter": prompts[key][1], "output": out["ids"]}
+    waved = {f"wave8-r{k}-{mixed[k % len(mixed)] or 'base'}": (prompt(100 + k), mixed[k % len(mixed)])
+             for k in range(8)}
+    outputs = {key: generate(port, *job, NEW_TOKENS, True) for key, job in alone.items()}
+    outputs.update(zip(waved, wave(port, list(waved.values()), NEW_TOKENS, True)))
+    jobs = {**alone, **waved}
+    requests = [{"prompt": jobs[key][0], "adapter": jobs[key][1], "output": out["ids"]}
                 for key, out in outputs.items()]
     return {"outputs": outputs, "requests": requests}
 

@@ -2,12 +2,14 @@
 
     python -m benchmarks.fast_lora.profile TRACE_DIR NAME [OUT.json]
 
-For each trace under TRACE_DIR (SGLang names them ``trace-TP-0-EXTEND.trace.json.gz`` and
-``...-DECODE...``): the steps it holds (calls of the model runner's ``forward``), the wall span of its
-GPU work, the time the GPU was busy (the union of its kernels and copies), the kernels' time by
-category (table below, first match wins), the host's time in SGLang's per-batch LoRA preparation
-(``LoRAManager.prepare_lora_batch``) and in this package's Python (its hooks' planning on an eager
-step; nothing of it runs in a CUDA-graph replay), and the 12 kernels that took longest. Per step, in ms.
+For each trace under TRACE_DIR (``prefill-TP-0.trace.json.gz`` and ``decode-TP-0...`` from client.py;
+SGLang's own by-stage names, ``...-EXTEND...`` and ``...-DECODE...``, read the same): the steps it holds
+(calls of the model runner's ``forward``), the wall span of its GPU work, the time the GPU was busy (the
+union of its kernels and copies), the kernels' time by category (table below, first match wins), the
+host's time in SGLang's per-batch LoRA preparation (``LoRAManager.prepare_lora_batch``) and in this
+package's Python, callees included (on the fast path its hooks and their launches, on the default path
+SGLang's hook builder under this package's wrapper; none of it runs in a CUDA-graph replay), and
+the 12 kernels that took longest. Per step, in ms.
 """
 
 from __future__ import annotations

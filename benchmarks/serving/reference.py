@@ -3,14 +3,16 @@
     python -m benchmarks.serving.reference MODEL_DIR LORA_DIR RUN.json [RUN.json ...] [--device cuda] [--out VERDICT.txt]
 
 The reference is transformers' own model class for the checkpoint (``Glm4MoeForCausalLM``,
-``DeepseekV3ForCausalLM``) in fp32, each adapter merged into its weights as peft defines it:
+``DeepseekV3ForCausalLM``, ``Qwen3MoeForCausalLM``) in fp32, each adapter merged into its weights as peft defines it:
 ``W + (lora_alpha / r) * B @ A`` for every routed expert it covers and, where it has them, the
 shared expert. Teacher-forced on the server's own tokens: a position is *bad* when the reference's
 best next token beats the server's token by more than 0.5 nats. A bf16 server of a correct model
 has a bad position now and then (near-ties that bf16 flips, top-k routing included): 0-4 of 24 per
 request in the H200 runs (benchmarks/results/shared_expert/); a request whose adapter is applied
-wrongly has most of them bad: 14-24 of 24 there. A request counts as right with at most a quarter of
-its positions bad (``MAX_BAD_SHARE``; 6 of 24); the verdict prints both sides of that gap, so a run
+wrongly has most of them bad: 14-24 of 24 there. On the 16-layer Qwen3-MoE of
+benchmarks/fast_lora (32 positions): 0-6 right, 9-32 with each adapter request scored as another
+adapter's (benchmarks/results/fast_lora/deep16/). A request counts as right with at most a quarter of
+its positions bad (``MAX_BAD_SHARE``; 6 of 24, 8 of 32); the verdict prints both sides of that gap, so a run
 whose counts come near it is seen at once.
 """
 
