@@ -252,15 +252,26 @@ def source_of(module: str) -> str | None:
         return None
 
 
-def definition(module: str, qualname: str) -> str | None:
-    """The source of one function or method (``"Class.method"``) of an installed module, or None."""
+@functools.cache
+def _parsed(module: str) -> tuple[str, list] | None:
+    """``source_of(module)`` and its top-level statements, parsed once (SGLang's modules run to
+    thousands of lines, and the catalogue reads several definitions of each)."""
     text = source_of(module)
     if text is None:
         return None
     try:
-        body = ast.parse(text).body
+        return text, ast.parse(text).body
     except SyntaxError:
         return None
+
+
+@functools.cache
+def definition(module: str, qualname: str) -> str | None:
+    """The source of one function or method (``"Class.method"``) of an installed module, or None."""
+    parsed = _parsed(module)
+    if parsed is None:
+        return None
+    text, body = parsed
     node = None
     for part in qualname.split("."):
         node = next((n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
