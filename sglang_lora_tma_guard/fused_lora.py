@@ -160,16 +160,10 @@ def ready() -> bool:
 _said: set[str] = set()
 
 
-def _say_once(reason: str) -> None:
-    if reason not in _said:
-        _said.add(reason)
-        logger.info("a LoRA down GEMM runs unfused (the hook adds its delta): %s (logged once)", reason)
-
-
-def _say_once_taken() -> None:
-    if "taken" not in _said:
-        _said.add("taken")
-        logger.info("the down LoRA delta of fast batches is added in the down GEMM's epilogue (logged once)")
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.info("%s (logged once)", message)
 
 
 def _make(original, engaged: Engaged):
@@ -204,13 +198,13 @@ def _make(original, engaged: Engaged):
         if reason is None:
             try:
                 work.run(bound.arguments)
-                _say_once_taken()
+                _say_once("the down LoRA delta of fast batches is added in the down GEMM's epilogue")
                 return None
             except Exception:  # nothing of C is served from a failed launch: SGLang's GEMM overwrites it
                 logger.exception("the fused LoRA down GEMM failed; SGLang's GEMM and the hook run instead")
                 work.done = None
                 reason = "the fused launch failed"
-        _say_once(reason)
+        _say_once(f"a LoRA down GEMM runs unfused (the hook adds its delta): {reason}")
         return original(*args, **kwargs)
 
     return invoke_fused_moe_kernel

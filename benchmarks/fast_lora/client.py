@@ -27,7 +27,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.serving.client import generate, post, timed_waves, tokens_of, wave
+from benchmarks.serving.client import ask, generate, timed_waves, tokens_of, wave
 
 ADAPTERS = ["a1", "a2", "a3", "a4"]
 NEW_TOKENS = 32
@@ -52,12 +52,6 @@ def run(port: int, lora: bool) -> dict:
     requests = [{"prompt": jobs[key][0], "adapter": jobs[key][1], "output": out["ids"]}
                 for key, out in outputs.items()]
     return {"outputs": outputs, "requests": requests}
-
-
-def ask(port: int, path: str, body: dict) -> None:
-    answer = post(port, path, body)
-    if answer.get("success") is False:
-        raise RuntimeError(f"{path}: {answer}")
 
 
 @contextlib.contextmanager

@@ -33,6 +33,14 @@ def post(port: int, path: str, body: dict) -> dict:
         return {"text": answer.decode(errors="replace")[:500]}
 
 
+def ask(port: int, path: str, body: dict) -> dict:
+    """``post``, raising on an error answer."""
+    answer = post(port, path, body)
+    if answer.get("success") is False:
+        raise RuntimeError(f"{path}: {answer}")
+    return answer
+
+
 def generate(port: int, ids: list[int], lora: str | None, new_tokens: int, logprobs: bool = False) -> dict:
     """One greedy request of exactly ``new_tokens`` tokens: ``{"ids": output ids, "top": per output
     position the top-5 ``[logprob, token]`` pairs (with ``logprobs``; else None)}``."""
@@ -41,9 +49,7 @@ def generate(port: int, ids: list[int], lora: str | None, new_tokens: int, logpr
         body["lora_path"] = lora
     if logprobs:
         body.update(return_logprob=True, top_logprobs_num=5)
-    answer = post(port, "/generate", body)
-    if answer.get("success") is False:
-        raise RuntimeError(f"/generate: {answer}")
+    answer = ask(port, "/generate", body)
     top = answer.get("meta_info", {}).get("output_top_logprobs") if logprobs else None
     return {"ids": answer["output_ids"], "top": [[[lp, tok] for lp, tok, *_ in step] for step in top] if top else None}
 
