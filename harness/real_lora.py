@@ -105,6 +105,9 @@ class Adapters:
     """``experts_shared_outer_loras``: one gate-up A and one down B per adapter for every expert."""
     virtual_experts: bool = False
     """``--lora-use-virtual-experts``: SGLang's ``merged_experts_fused_moe_lora_add`` path."""
+    padding: float = 0.0
+    """What the buffers hold past each adapter's rank: SGLang's pool zeros; NaN proves that no kernel
+    lets those rows and columns into a delta."""
 
 
 def make_lora_info(problem: MoEProblem, adapters: Adapters | None = None, *, seed: int = 0, cg_buffers=None):
@@ -123,11 +126,11 @@ def make_lora_info(problem: MoEProblem, adapters: Adapters | None = None, *, see
     def weights(rows, cols, ranks_on_rows, shared=False):
         w = torch.randn(loras, 1 if shared else experts, rows, cols, generator=gen, device=device,
                         dtype=dtype) * adapters.scale
-        for slot, r in enumerate(adapters.ranks):  # padded rank rows/columns stay zero, as in SGLang
+        for slot, r in enumerate(adapters.ranks):  # padded rank rows/columns: zero in SGLang's pool
             if ranks_on_rows:
-                w[slot, :, r:rank] = 0
+                w[slot, :, r:rank] = adapters.padding
             else:
-                w[slot, :, :, r:] = 0
+                w[slot, :, :, r:] = adapters.padding
         return w
 
     shared, halves = adapters.shared_outer, 2 if adapters.gated else 1

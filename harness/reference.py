@@ -107,15 +107,16 @@ class ReferenceLoRAHooks:
         self.after_down = self._after_down
 
     def _routes(self, topk_ids):
+        """(token, route, adapter, expert, the adapter's rank) of every route with a delta."""
         info = self.info
         experts = info.gate_up_lora_b_weights.shape[1]
-        enabled = info.adapter_enabled.tolist()
+        enabled, ranks = info.adapter_enabled.tolist(), info.lora_ranks.tolist()
         for t, adapter in enumerate(info.token_lora_mapping.tolist()):
             if adapter < 0 or not enabled[adapter]:
                 continue
             for j, e in enumerate(topk_ids[t].tolist()):
                 if 0 <= e < experts:
-                    yield t, j, adapter, e
+                    yield t, j, adapter, e, ranks[adapter]
 
     @staticmethod
     def _of(weights, a, e):
@@ -125,15 +126,18 @@ class ReferenceLoRAHooks:
         info, r = self.info, self.info.max_lora_rank
         gated = info.gate_up_lora_a_weights.shape[2] > r
         half = cache1.shape[-1] // 2
-        for t, j, a, e in self._routes(topk_ids):
+        for t, j, a, e, rank in self._routes(topk_ids):  # each adapter's own rank: the buffer pads to r
             x = hidden_states[t].float()
             A, B = self._of(info.gate_up_lora_a_weights, a, e), self._of(info.gate_up_lora_b_weights, a, e)
-            delta = torch.cat([B[:half] @ (A[:r] @ x), B[half:] @ (A[r:2 * r] @ x)]) if gated else B @ (A @ x)
+            if gated:
+                delta = torch.cat([B[:half, :rank] @ (A[:rank] @ x), B[half:, :rank] @ (A[r:r + rank] @ x)])
+            else:
+                delta = B[:, :rank] @ (A[:rank] @ x)
             cache1[t, j] += delta.to(cache1.dtype)
 
     def _after_down(self, activation, cache3, topk_weights, topk_ids):
         info, topk = self.info, cache3.shape[1]
-        for t, j, a, e in self._routes(topk_ids):
+        for t, j, a, e, rank in self._routes(topk_ids):
             x = activation[t * topk + j].float()
             A, B = self._of(info.down_lora_a_weights, a, e), self._of(info.down_lora_b_weights, a, e)
-            cache3[t, j] += (topk_weights[t, j].float() * (B @ (A @ x))).to(cache3.dtype)
+            cache3[t, j] += (topk_weights[t, j].float() * (B[:, :rank] @ (A[:rank] @ x))).to(cache3.dtype)

@@ -46,6 +46,8 @@ class Case:
     """Some routes are -1 (filtered out, as under expert parallelism)."""
     hidden: int = 128
     intermediate: int = 128
+    padding: float = 0.0
+    """What the LoRA buffers hold past each adapter's rank (``real_lora.Adapters.padding``)."""
 
 
 CASES = {
@@ -59,6 +61,9 @@ CASES = {
     "filtered-routes": Case(filtered=True),
     # No width a multiple of any tile (BLOCK_K 64/128, BLOCK_N 32/64): every kernel's last tile is partial.
     "odd-widths": Case(hidden=200, intermediate=72),
+    # Ranks that no vector load divides (the expand loads B and t in runs of 8 ranks, then zeroes the
+    # elements past each rank): the buffers' columns past them NaN, as no pool would leave them.
+    "odd-ranks-nan-padding": Case(ranks=(5, 12, 24, 64), padding=float("nan")),
 }
 DEFAULT_RUN = {"mixed-ranks-top2"}  # the rest in the full run (CI)
 
@@ -70,8 +75,8 @@ def case_params():
 EXPERTS, TOKENS = 8, 10
 
 
-def make_case(name: str, seed: int = 0):
-    case = CASES[name]
+def make_case(name: str, seed: int = 0, **changes):
+    case = dataclasses.replace(CASES[name], **changes)
     problem = tiny_moe.make_problem(num_tokens=TOKENS, num_experts=EXPERTS, topk=case.topk, hidden=case.hidden,
                                     intermediate=case.intermediate, seed=seed)
     ids = problem.topk_ids.clone()
@@ -81,7 +86,7 @@ def make_case(name: str, seed: int = 0):
         ids[::3, 0] = -1
     tiny_moe.reroute(problem, ids)
     adapters = real_lora.Adapters(ranks=case.ranks, enabled=case.enabled, gated=case.gated,
-                                  shared_outer=case.shared_outer,
+                                  shared_outer=case.shared_outer, padding=case.padding,
                                   lora_experts=EXPERTS - 1 if case.shared_expert_route else None)
     return problem, real_lora.make_lora_info(problem, adapters, seed=seed)
 
@@ -127,7 +132,10 @@ def test_fast_hooks_add_each_adapters_delta(runners, name):
     assert min(r.abs().max() for r in reference) > 0.1  # the adapters do add something
     fast = run_hooks(lora_path.build_hooks(sglang_build(runners), problem.hidden_states, info, problem.topk_ids),
                      problem, info)
-    default = run_hooks(sglang_build(runners)(problem.hidden_states, info, problem.topk_ids), problem, info)
+    # SGLang's default path on the same adapters as its pool lays them out (zeros past each rank).
+    problem, zero_padded = make_case(name, padding=0.0)
+    default = run_hooks(sglang_build(runners)(problem.hidden_states, zero_padded, problem.topk_ids), problem,
+                        zero_padded)
     fast_err, default_err = errors(fast, reference), errors(default, reference)
     assert max(fast_err) < TOLERANCE, fast_err
     if CASES[name].shared_expert_route:
@@ -161,7 +169,10 @@ def test_sglangs_virtual_experts_path_is_wrong_on_gated_moe_only(runners, name):
     (16, lora_moe.StageConfig(expand_block_n=32, expand_n_tiles=3), "odd-widths"),
     # Every rank in one tile (64): t read once per program, the column loop the pipelined one.
     (16, lora_moe.StageConfig(expand_block_r=64, expand_block_n=32, expand_n_tiles=3), "odd-widths"),
-], ids=["split-k", "block-32", "column-tile-groups", "one-rank-tile"])
+    # Ranks of no multiple of 8 with NaN past them, through both expand paths.
+    (16, lora_moe.StageConfig(expand_block_r=16), "odd-ranks-nan-padding"),
+    (16, lora_moe.StageConfig(expand_block_r=64, expand_n_tiles=2), "odd-ranks-nan-padding"),
+], ids=["split-k", "block-32", "column-tile-groups", "one-rank-tile", "odd-ranks", "odd-ranks-one-rank-tile"])
 def test_tiles_and_routing_paths_agree_with_the_reference(runners, block_m, config, case, monkeypatch):
     """Split K (atomic adds), wider rank tiles, 32-row blocks, several column tiles per expand program,
     and the four-launch routing of large batches."""
