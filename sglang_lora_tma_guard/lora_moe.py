@@ -312,6 +312,17 @@ def route_all(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled:
 
 
 @triton.jit
+def _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M: tl.constexpr):
+    """Block ``pid_m``'s key and pairs, and the rows in use, in one round trip to memory: the caller
+    returns when the block is past the rows in use, and only then reads further (its key is then
+    whatever the buffer holds). The grid is the routing's block count and the routing allocates whole
+    blocks of rows, so every block has both entries (empty rows: ``num_pairs``)."""
+    key = tl.load(block_key_ptr + pid_m)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return key, pairs, tl.load(rows_used_ptr)
+
+
+@triton.jit
 def _shrink_kernel(
     # Pointers: x (rows of x, K); A (slots, experts or 1, halves * max_rank, K); t (pairs, halves * max_rank)
     # float32, out; the routing's sorted (rows,), block_key (blocks,), rows_used (1,); ranks (slots,).
@@ -330,17 +341,15 @@ def _shrink_kernel(
     """``t[pair, half * max_rank + r] = sum_k x[pair's row, k] * A[adapter, expert, half * max_rank + r, k]``
     for the ranks r below the adapter's own; grid (blocks, rank tiles, split-K)."""
     pid_m, pid_r, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):  # one int32
+    key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
+    if pid_m * BLOCK_M >= used:
         return
-    key = tl.load(block_key_ptr + pid_m)  # pid_m < blocks: the grid is the routing's block count
     adapter, expert = key // num_experts, key % num_experts
     rank = tl.load(ranks_ptr + adapter)  # adapter < slots: a block's key comes from a known slot
     r0 = pid_r * BLOCK_R
     if r0 >= rank:
         return  # past this adapter's true rank: nothing to compute
 
-    # The routing allocates whole blocks of rows: every row of this block exists (empty ones: num_pairs).
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pair_ok = pairs < num_pairs
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
@@ -407,17 +416,15 @@ def _expand_kernel(
     """``out[pair, half * half_width + n] += sum_r t[pair, half * max_rank + r] * B[adapter, expert, half *
     half_width + n, r]`` (times the routed weight where asked); grid (blocks, halves * column-tile groups)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):  # one int32
+    key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
+    if pid_m * BLOCK_M >= used:
         return
-    key = tl.load(block_key_ptr + pid_m)  # pid_m < blocks: the grid is the routing's block count
     adapter, expert = key // num_experts, key % num_experts
     rank = tl.load(ranks_ptr + adapter)  # adapter < slots: a block's key comes from a known slot
     tiles = tl.cdiv(half_width, BLOCK_N)
     groups = tl.cdiv(tiles, N_TILES)
     half = pid_n // groups  # gate (0) or up (1) half of a gated gate-up; always 0 otherwise
 
-    # The routing allocates whole blocks of rows: every row of this block exists (empty ones: num_pairs).
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pair_ok = pairs < num_pairs
     offs_r = tl.arange(0, BLOCK_R)
     if MUL_ROUTED_WEIGHT:
@@ -437,6 +444,9 @@ def _expand_kernel(
         tile = (pid_n % groups) * N_TILES + j
         offs_n = half * half_width + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < (half + 1) * half_width) & (tile < tiles)  # the last group may hold fewer tiles
+        o_ptrs = o_rows + offs_n[None, :] * stride_on
+        o_mask = pair_ok[:, None] & n_ok[None, :]
+        old = tl.load(o_ptrs, mask=o_mask, other=0.0)  # first: in flight while B arrives and is multiplied
         b_ptrs = b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
         if ONE_R_TILE:
             b = tl.load(b_ptrs, mask=r_load[:, None] & n_ok[None, :], other=0.0)
@@ -454,9 +464,6 @@ def _expand_kernel(
                 b_ptrs += BLOCK_R * stride_br
         if MUL_ROUTED_WEIGHT:
             acc *= routed[:, None]
-        o_ptrs = o_rows + offs_n[None, :] * stride_on
-        o_mask = pair_ok[:, None] & n_ok[None, :]
-        old = tl.load(o_ptrs, mask=o_mask, other=0.0)
         tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
 
 
