@@ -110,6 +110,12 @@ def test_a_profile_is_summarized_per_step_by_category(tmp_path, capsys):
         x("python_function", "sglang_lora_tma_guard/fused_lora.py(10): plan", 10200, 400),
         x("python_function", "sglang_lora_tma_guard/fused_lora.py(10): plan", 300, 600, tid=2),
         x("python_function", "torch/nn/modules/module.py(1750): _call_impl", 0, 15000),
+        # The host waits for the GPU: in SGLang's LoRA preparation through Tensor.item (a frame that only
+        # passes the wait on), and in ours; a launch is no wait.
+        x("python_function", "<built-in method item of Tensor object at 0x7f>", 140, 80),
+        x("cuda_runtime", "cudaStreamSynchronize", 150, 50),
+        x("cuda_runtime", "cudaDeviceSynchronize", 10300, 100),
+        x("cuda_runtime", "cudaLaunchKernel", 10250, 10),
         # Step 1's GPU work: [900, 1650] [2000, 2250] [2300, 2900] [2950, 3050] busy, 1700 us of 1900 us summed.
         x("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 900, 200),
         x("kernel", "fused_moe_kernel", 1000, 400),
@@ -140,6 +146,8 @@ def test_a_profile_is_summarized_per_step_by_category(tmp_path, capsys):
                                                    ("attention", 0.225), ("other", 0.05), ("norm", 0.025)]
     assert summary["host_lora_prep_ms"] == 0.4  # (300 + 500) / 2 / 1000
     assert summary["host_ours_ms"] == 1.0  # (1000 + 400 + 600) / 2 / 1000; the nested 200 us not again
+    assert summary["host_waits"] == {"per_step": 1.0, "ms": 0.075, "callers": [  # (50 + 100) / 2 / 1000
+        {"caller": "sglang_lora_tma_guard/fused_lora.py(10): plan", "ms": 0.05}, {"caller": prep, "ms": 0.025}]}
     assert summary["top_kernels"][0] == {"name": "nvjet_tst_128x64", "ms": 0.6, "calls_per_step": 1.5,
                                          "category": "dense_gemm"}
     assert [k["name"] for k in summary["top_kernels"][:4]] == [

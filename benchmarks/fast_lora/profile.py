@@ -8,8 +8,10 @@ SGLang's own by-stage names, ``...-EXTEND...`` and ``...-DECODE...``, read the s
 union of its kernels and copies), the kernels' time by category (table below, first match wins), the
 host's time in SGLang's per-batch LoRA preparation (``LoRAManager.prepare_lora_batch``) and in this
 package's Python, callees included (on the fast path its hooks and their launches, on the default path
-SGLang's hook builder under this package's wrapper; none of it runs in a CUDA-graph replay), and
-the 12 kernels that took longest. Per step, in ms.
+SGLang's hook builder under this package's wrapper; none of it runs in a CUDA-graph replay), the host's
+waits for the GPU (CUDA's synchronize calls and synchronous copies: while the host waits it queues no
+work, so the GPU drains and then idles until the host is ahead again) with the Python code that asked
+for each, and the 12 kernels that took longest. Per step, in ms.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ CATEGORIES = [
 STEP = re.compile(r"model_runner\.py\(\d+\): forward$")
 LORA_PREP = re.compile(r"lora_manager\.py\(\d+\): prepare_lora_batch$")
 OURS = re.compile(r"sglang_lora_tma_guard/")
+WAIT = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$")
+"""CUDA runtime calls in which the host waits for the GPU."""
+NOT_A_CALLER = re.compile(r"^torch/|^<built-in")
+"""Frames that only pass a wait on (``Tensor.item``, ``torch.cuda.synchronize``): the caller is above them."""
 
 
 def category(kernel: str) -> str:
@@ -49,6 +55,23 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
+
+
+def waits(events: list[dict], python: list[dict], per: float) -> dict:
+    """The host's waits for the GPU per step: how many, how long, and the innermost Python frame around
+    each that is not torch's own (the code that asked), longest first."""
+    found = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and WAIT.search(e["name"])]
+    frames = collections.defaultdict(list)  # per thread: the frames that can be a caller
+    for p in python:
+        if not NOT_A_CALLER.search(p["name"]):
+            frames[p["tid"]].append(p)
+    by_caller: dict[str, float] = collections.Counter()
+    for w in found:
+        around = [p for p in frames[w["tid"]] if p["ts"] <= w["ts"] and p["ts"] + p["dur"] >= w["ts"] + w["dur"]]
+        caller = max(around, key=lambda p: p["ts"])["name"] if around else "(no Python frame)"
+        by_caller[caller] += w["dur"]
+    return {"per_step": round(len(found) * per * 1000.0, 1), "ms": round(sum(w["dur"] for w in found) * per, 3),
+            "callers": [{"caller": name[:120], "ms": round(us * per, 4)} for name, us in by_caller.most_common(5)]}
 
 
 def summarize(path: str) -> dict:
@@ -78,6 +101,7 @@ def summarize(path: str) -> dict:
         "kernels_ms": {name: round(us * per, 3) for name, us in sorted(by_category.items(), key=lambda kv: -kv[1])},
         "host_lora_prep_ms": round(sum(e["dur"] for e in python if LORA_PREP.search(e["name"])) * per, 3),
         "host_ours_ms": round(sum(union_us(v) for v in by_thread.values()) * per, 3),
+        "host_waits": waits(events, python, per),
         "top_kernels": [{"name": name[:90], "ms": round(us * per, 4), "calls_per_step": round(n / (steps or 1), 1),
                          "category": category(name)} for name, (us, n) in top],
     }
@@ -96,7 +120,10 @@ def main(argv: list[str]) -> int:
         cats = ", ".join(f"{k} {v}" for k, v in s["kernels_ms"].items())
         print(f"== {name} {stage}: {s['steps']} steps; per step: GPU span {s['gpu_span_ms']} ms, busy "
               f"{s['gpu_busy_ms']}; kernels: {cats}; host LoRA prep {s['host_lora_prep_ms']}, ours "
-              f"{s['host_ours_ms']}")
+              f"{s['host_ours_ms']}; host waits for the GPU {s['host_waits']['per_step']} a step "
+              f"({s['host_waits']['ms']} ms)")
+        for c in s["host_waits"]["callers"]:
+            print(f"   waited {c['ms']} ms a step in {c['caller']}")
     return 0 if result else 1
 
 
