@@ -6,14 +6,19 @@ marked so, unit strides constant).
 Run it as a script, without ``TRITON_INTERPRET`` (under the interpreter a ``@triton.jit`` function is
 not compiled at all): ``python -m harness.ptx`` prints, as one JSON object, each configuration's count
 of each PTX global access (``ld.global.b16``: one 16-bit element; ``ld.global.v4.b32``: 16 bytes;
-``cp.async.cg.shared.global``: a 16-byte asynchronous copy of a software-pipelined load).
+``cp.async.cg.shared.global``: a 16-byte asynchronous copy of a software-pipelined load), and the
+registers a thread (Triton's own ptxas) and shared memory a program, which bound the programs an SM
+holds at once (65,536 registers and 228 KB on an H100/H200).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from collections import Counter
 
 ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.]*|\bcp\.async\.c[ag]\.shared\.global[\w.]*")
@@ -22,11 +27,12 @@ _INT32 = ("sorted_ptr", "block_key_ptr", "rows_used_ptr", "ranks_ptr")
 _NOT_ALIGNED = ("num_pairs", "rows_used_ptr")  # a batch's pairs; one int32 inside the routing's buffer
 
 
-def accesses(kernel, *, types: dict[str, str], constexprs: dict, unit: tuple[str, ...] = (),
-             num_warps: int = 4, num_stages: int = 2) -> dict[str, int]:
-    """Counts of each global access in ``kernel``'s PTX for sm_90. ``types``: Triton types of the
-    pointer arguments other than bf16 ones; every other argument not in ``constexprs`` or ``unit`` (the
-    strides of 1) is an int32 size."""
+def compiled(kernel, *, types: dict[str, str], constexprs: dict, unit: tuple[str, ...] = (),
+             num_warps: int = 4, num_stages: int = 2) -> dict:
+    """``kernel`` compiled for sm_90: ``accesses`` (the count of each global access in its PTX),
+    ``registers`` a thread and ``shared_bytes`` a program. ``types``: Triton types of the pointer
+    arguments other than bf16 ones; every other argument not in ``constexprs`` or ``unit`` (the strides
+    of 1) is an int32 size."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -39,13 +45,29 @@ def accesses(kernel, *, types: dict[str, str], constexprs: dict, unit: tuple[str
             signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
              if signature[name] != "constexpr" and name not in _NOT_ALIGNED}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    return dict(Counter(ACCESS.findall(compiled.asm["ptx"])))
+    done = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = done.asm["ptx"]
+    return {"accesses": dict(Counter(ACCESS.findall(ptx))), "registers": _registers(ptx),
+            "shared_bytes": done.metadata.shared}
 
 
-def expand(**meta) -> dict[str, int]:
+def _registers(ptx: str) -> int:
+    """Registers a thread, as the ptxas that Triton bundles allocates them (the compiled kernel says so
+    only once loaded on a GPU)."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, check=True)
+    return int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+
+
+def expand(**meta) -> dict:
     """The expand kernel in a gate-up configuration of the shipped H200 tiles (Qwen3-30B-A3B tp 1, 512
     pairs) unless ``meta`` says otherwise."""
     from sglang_lora_tma_guard import lora_moe
@@ -54,18 +76,18 @@ def expand(**meta) -> dict[str, int]:
                       ONE_R_TILE=True, RANK_GRANULE=8)
     warps = meta.pop("num_warps", 8)
     constexprs.update(meta)
-    return accesses(lora_moe._expand_kernel, types={"t_ptr": "*fp32", "weights_ptr": "*fp32",
+    return compiled(lora_moe._expand_kernel, types={"t_ptr": "*fp32", "weights_ptr": "*fp32",
                                                     **dict.fromkeys(_INT32, "*i32")},
                     constexprs=constexprs, unit=("stride_br", "stride_on"), num_warps=warps)
 
 
-def shrink(**meta) -> dict[str, int]:
+def shrink(**meta) -> dict:
     """The gated gate-up shrink in a configuration of the shipped H200 tiles."""
     from sglang_lora_tma_guard import lora_moe
 
     constexprs = dict(PAIRS_PER_X=8, GATED=True, SPLIT_K=1, BLOCK_M=16, BLOCK_R=32, BLOCK_K=128)
     constexprs.update(meta)
-    return accesses(lora_moe._shrink_kernel, types={"t_ptr": "*fp32", **dict.fromkeys(_INT32, "*i32")},
+    return compiled(lora_moe._shrink_kernel, types={"t_ptr": "*fp32", **dict.fromkeys(_INT32, "*i32")},
                     constexprs=constexprs, unit=("stride_xk", "stride_ak"), num_stages=3)
 
 
@@ -76,6 +98,10 @@ CONFIGURATIONS = {
     "expand, rank tiles of 16, exact rank masks": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1,
                                                                  RANK_GRANULE=1, num_warps=4),
     "shrink": lambda: shrink(),
+    # The other tuned decode tiles of Qwen3-30B-A3B tp 1 (512 pairs; "rank tiles of 16" is the gate-up expand's).
+    "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
+                                         num_warps=4),
+    "decode shrink gate-up": lambda: shrink(BLOCK_R=64),
 }
 
 

@@ -30,7 +30,7 @@ def accesses():
     done = subprocess.run([sys.executable, "-m", "harness.ptx", *SHIPPED, *CONTROLS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return {name: built["accesses"] for name, built in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
 def element_loads(counts: dict[str, int]) -> int:
