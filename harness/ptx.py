@@ -91,6 +91,22 @@ def shrink(**meta) -> dict:
                     constexprs=constexprs, unit=("stride_xk", "stride_ak"), num_stages=3)
 
 
+def fused_down(**meta) -> dict:
+    """This package's down GEMM with the LoRA expand in its epilogue (``fused_lora``), bf16 weights by plain
+    loads, blocks of one expert and one adapter (``KEYED``) unless ``meta`` says otherwise."""
+    from sglang_lora_tma_guard import moe_gemm
+
+    constexprs = dict(ROUTES_PER_A_ROW=1, TOPK=8, SCALE_BLOCK_N=128, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64,
+                      BLOCK_R=64, GROUP_M=1, FP8=False, HAS_BIAS=False, MUL_ROUTED_WEIGHT=True, LORA=True,
+                      B_TMA=False, KEYED=True, RANK_GRANULE=8, b_desc=None)
+    constexprs.update(meta)
+    int32 = ("sorted_ids_ptr", "expert_ids_ptr", "num_post_padded_ptr", "token_lora_ptr", "enabled_ptr", "ranks_ptr")
+    return compiled(moe_gemm._moe_gemm_kernel,
+                    types={"t_ptr": "*fp32", "topk_weights_ptr": "*fp32", "a_scale_ptr": "*fp32",
+                           "b_scale_ptr": "*fp32", **dict.fromkeys(int32, "*i32")},
+                    constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr"), num_stages=3)
+
+
 CONFIGURATIONS = {
     "expand, one rank tile": lambda: expand(),
     "expand, rank tiles of 16": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, num_warps=4),
@@ -98,6 +114,9 @@ CONFIGURATIONS = {
     "expand, rank tiles of 16, exact rank masks": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1,
                                                                  RANK_GRANULE=1, num_warps=4),
     "shrink": lambda: shrink(),
+    "fused down GEMM, blocks of one adapter": lambda: fused_down(),
+    "fused down GEMM, SGLang's blocks": lambda: fused_down(KEYED=False),
+    "fused down GEMM, blocks of one adapter, exact rank masks": lambda: fused_down(RANK_GRANULE=1),
     # The other tuned decode tiles of Qwen3-30B-A3B tp 1 (512 pairs; "rank tiles of 16" is the gate-up expand's).
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
                                          num_warps=4),

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_gemm import _granule, rank_granule
+
 ROUTE_BLOCK = 1024
 """Pairs (or keys, or rows) one routing program handles per step."""
 
@@ -385,17 +387,6 @@ def _shrink_kernel(
 
 
 @triton.jit
-def _granule_ok(offs, limit, GRANULE: tl.constexpr):
-    """``offs < limit`` with ``limit`` rounded up to a multiple of ``GRANULE``: a mask Triton knows to be
-    constant over aligned runs of ``GRANULE``, so a load along a contiguous rank axis under it is a vector
-    load (under ``offs < limit``, a rank read from memory, it is one load per element: 32 16-bit loads a
-    thread for a 64 x 128 tile of B). The caller zeroes the elements from ``limit`` on with ``tl.where``:
-    the buffer's columns past an adapter's rank hold whatever they hold. ``limit`` never rounds past the
-    row: the host passes a ``GRANULE`` that divides ``max_rank`` (:func:`rank_granule`)."""
-    return offs < tl.multiple_of((limit + GRANULE - 1) // GRANULE * GRANULE, GRANULE)
-
-
-@triton.jit
 def _expand_kernel(
     # Pointers: t (pairs, halves * max_rank) float32; B (slots, experts or 1, halves * half_width, max_rank);
     # out (tokens, topk, halves * half_width), added into; weights (pairs,) routed weights (or unused);
@@ -411,7 +402,7 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     N_TILES: tl.constexpr,  # column tiles per program: the block's indices and ranks read once for all
     ONE_R_TILE: tl.constexpr,  # BLOCK_R >= max_rank: t read once, and the column loop is the pipelined one
-    RANK_GRANULE: tl.constexpr,  # ranks loaded in aligned runs of this many (vector loads); see _granule_ok
+    RANK_GRANULE: tl.constexpr,  # ranks loaded in aligned runs of this many (moe_gemm._granule)
 ):
     """``out[pair, half * half_width + n] += sum_r t[pair, half * max_rank + r] * B[adapter, expert, half *
     half_width + n, r]`` (times the routed weight where asked); grid (blocks, halves * column-tile groups)."""
@@ -436,7 +427,7 @@ def _expand_kernel(
         # Every rank in one tile: this block's t once; the column loop below then has no inner loop, and
         # Triton software-pipelines it (the next tile's B and output in flight while this one is added).
         r_ok = offs_r < rank
-        r_load = _granule_ok(offs_r, rank, RANK_GRANULE)
+        r_load = offs_r < _granule(rank, RANK_GRANULE)
         t = tl.load(t_ptr + pairs[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
                     mask=pair_ok[:, None] & r_load[None, :], other=0.0)
         t = tl.where(r_ok[None, :], t, 0.0).to(b_ptr.dtype.element_ty)
@@ -456,7 +447,7 @@ def _expand_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for r0 in range(0, rank, BLOCK_R):  # this half's own ranks, up to the adapter's true rank
                 r_ok = offs_r < rank - r0
-                r_load = _granule_ok(offs_r, rank - r0, RANK_GRANULE)
+                r_load = offs_r < _granule(rank - r0, RANK_GRANULE)
                 t = tl.load(t_ptrs, mask=pair_ok[:, None] & r_load[None, :], other=0.0)  # again per tile: cached
                 b = tl.load(b_ptrs, mask=r_load[:, None] & n_ok[None, :], other=0.0)
                 acc += tl.dot(tl.where(r_ok[None, :], t, 0.0).to(b.dtype), tl.where(r_ok[:, None], b, 0.0))
@@ -465,12 +456,6 @@ def _expand_kernel(
         if MUL_ROUTED_WEIGHT:
             acc *= routed[:, None]
         tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
-
-
-def rank_granule(max_rank: int) -> int:
-    """The run of ranks :func:`_granule_ok` rounds to: 16 bytes of bf16 where every adapter's row of
-    ``max_rank`` ranks allows it, else 1 (exact masks, element loads)."""
-    return 8 if max_rank % 8 == 0 else 1
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ def _moe_gemm_kernel(
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr,
     B_TMA: tl.constexpr,
     KEYED: tl.constexpr,  # the route list is lora_moe.route_all's: EXPERT_IDS holds each block's key
+    RANK_GRANULE: tl.constexpr,  # with LORA: ranks loaded in aligned runs of this many (see _granule)
 ):
     """C[route, n] = sum_k A[route // ROUTES_PER_A_ROW, k] * B[expert(route), n, k], route-major,
     plus the route's LoRA expand with LORA (before the bias and the routed weight).
@@ -115,12 +116,15 @@ def _moe_gemm_kernel(
         rank = tl.where(adapter >= 0, tl.load(ranks_ptr + tl.maximum(adapter, 0)), 0)
         offs_r = tl.arange(0, BLOCK_R)
         r_ok = offs_r < rank
+        r_load = offs_r < _granule(rank, RANK_GRANULE)
         half = (pid_n * BLOCK_N) // half_width
         lora_b = tl.load(_lora_b_base(lora_b_ptr, tl.maximum(adapter, 0), expert, stride_ll, stride_le)
                          + offs_n[None, :] * stride_ln + offs_r[:, None] * stride_lr,
-                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                         mask=r_load[:, None] & n_ok[None, :], other=0.0)
+        lora_b = tl.where(r_ok[:, None], lora_b, 0.0)
         ranks_t = tl.load(t_ptr + routes[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
-                          mask=route_ok[:, None] & r_ok[None, :], other=0.0).to(lora_b.dtype)
+                          mask=route_ok[:, None] & r_load[None, :], other=0.0)
+        ranks_t = tl.where(r_ok[None, :], ranks_t, 0.0).to(lora_b.dtype)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k_tile * BLOCK_K
@@ -146,7 +150,7 @@ def _moe_gemm_kernel(
         acc = _lora_epilogue(acc, routes, route_ok, expert, offs_n, n_ok, pid_n * BLOCK_N,
                              t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
                              num_slots, lora_experts, half_width, max_rank,
-                             stride_tm, stride_ll, stride_le, stride_ln, stride_lr, TOPK, BLOCK_R)
+                             stride_tm, stride_ll, stride_le, stride_ln, stride_lr, TOPK, BLOCK_R, RANK_GRANULE)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n * stride_bias_n, mask=n_ok, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -159,6 +163,24 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
+def _granule(limit, GRANULE: tl.constexpr):
+    """``limit`` (a rank, or a block's ranks) rounded up to a multiple of ``GRANULE``, and said to be one:
+    under ``offs_r < _granule(rank, G)`` Triton knows the mask constant over aligned runs of ``G`` ranks, so
+    a load along a contiguous rank axis is a vector load. Under ``offs_r < rank``, a rank read from memory,
+    it is one load per element (32 16-bit loads a thread for a 64 x 128 tile of LoRA B). The caller zeroes
+    what it loads from the true rank on with ``tl.where``: a buffer's columns past an adapter's rank hold
+    whatever they hold. The rounded rank never passes the row: the host passes a ``GRANULE`` that divides
+    ``max_rank`` (:func:`rank_granule`)."""
+    return tl.multiple_of((limit + GRANULE - 1) // GRANULE * GRANULE, GRANULE)
+
+
+def rank_granule(max_rank: int) -> int:
+    """The run of ranks :func:`_granule` rounds to: 16 bytes of bf16 where every adapter's row of
+    ``max_rank`` ranks allows it, else 1 (exact masks, element loads)."""
+    return 8 if max_rank % 8 == 0 else 1
+
+
+@triton.jit
 def _lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le):
     return lora_b_ptr + adapter.to(tl.int64) * stride_ll + expert * stride_le
 
@@ -168,7 +190,7 @@ def _lora_epilogue(acc, routes, route_ok, expert, offs_n, n_ok, first_n,
                    t_ptr, b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
                    num_slots, lora_experts, half_width, max_rank,
                    stride_tm, stride_bl, stride_be, stride_bn, stride_br,
-                   TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
+                   TOPK: tl.constexpr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
     """``acc[row] += t[route, half's ranks] @ B[adapter, expert, tile columns].T`` for each row whose
     adapter has a delta here: one GEMM per adapter present in the block (the tile lies in one half)."""
     slot = tl.load(token_lora_ptr + routes // TOPK, mask=route_ok, other=-1)
@@ -181,15 +203,17 @@ def _lora_epilogue(acc, routes, route_ok, expert, offs_n, n_ok, first_n,
         offs_r = tl.arange(0, BLOCK_R)
         # Each row's own ranks only: the shrink writes no others (and the buffer is not cleared).
         t = tl.load(t_ptr + routes[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
-                    mask=wanted[:, None] & (offs_r[None, :] < rank[:, None]), other=0.0)
-        t = t.to(b_ptr.dtype.element_ty)
+                    mask=wanted[:, None] & (offs_r[None, :] < _granule(rank, RANK_GRANULE)[:, None]), other=0.0)
+        t = tl.where(offs_r[None, :] < rank[:, None], t, 0.0).to(b_ptr.dtype.element_ty)
         b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
         for s in range(num_slots):
             mine = wanted & (slot == s)
             if tl.max(mine.to(tl.int32), 0) > 0:  # this adapter has rows in the block
-                b = tl.load(b_ptrs + s * stride_bl, mask=(offs_r[:, None] < tl.load(ranks_ptr + s)) & n_ok[None, :],
-                            other=0.0)
-                acc += tl.dot(tl.where(mine[:, None], t, tl.zeros_like(t)), b)
+                s_rank = tl.load(ranks_ptr + s)
+                b = tl.load(b_ptrs + s * stride_bl, mask=(offs_r[:, None] < _granule(s_rank, RANK_GRANULE))
+                            & n_ok[None, :], other=0.0)
+                acc += tl.dot(tl.where(mine[:, None], t, tl.zeros_like(t)),
+                              tl.where(offs_r[:, None] < s_rank, b, 0.0))
     return acc
 
 
@@ -309,7 +333,8 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         ROUTES_PER_A_ROW=routes_per_a_row, TOPK=topk or 1, SCALE_BLOCK_N=scale_block_n,
         BLOCK_R=lora.block_r() if lora is not None else 16,
         FP8=fp8, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
-        B_TMA=b_desc is not None, KEYED=key_groups > 0, **tile,
+        B_TMA=b_desc is not None, KEYED=key_groups > 0,
+        RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1, **tile,
     )
 
 

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.real
 
 TOLERANCE = 2e-3
 TOKENS, TOPK, EXPERTS, LORA_EXPERTS = 13, 3, 6, 5  # expert 5: a fused shared expert, no LoRA
-RANKS, ENABLED, MAX_RANK = (8, 0, 24, 16, 32), (1, 1, 1, 0, 1), 32  # slot 1 rank 0, slot 3 disabled
+# Slot 1 rank 0, slot 3 disabled; ranks 5 and 20 are no multiple of the runs of 8 ranks the epilogue loads
+# (the NaN past them in those runs must not reach the output).
+RANKS, ENABLED, MAX_RANK = (5, 0, 20, 16, 32), (1, 1, 1, 0, 1), 32
 
 
 def make(n: int, k: int, fp8: bool, shared_outer: bool, seed: int = 0):

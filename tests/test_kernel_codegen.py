@@ -1,5 +1,5 @@
-"""What the fast path's LoRA kernels compile to on an H200 (sm_90 PTX, compiled here by Triton without
-a GPU, ``harness/ptx.py``): their loads of weights and ranks are vector loads.
+"""What the LoRA kernels compile to on an H200 (sm_90 PTX, compiled here by Triton without a GPU,
+``harness/ptx.py``): the fast path's and the fused down GEMM's loads of weights and ranks are vector loads.
 
 Under a mask Triton cannot prove constant over aligned runs, a load along a contiguous axis is one load
 per element. The LoRA B buffers hold ranks innermost and each adapter's rank is read from memory, so an
@@ -19,15 +19,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ("expand, one rank tile", "expand, rank tiles of 16", "shrink")
-CONTROLS = ("expand, one rank tile, exact rank masks", "expand, rank tiles of 16, exact rank masks")
+VECTOR = ("expand, one rank tile", "expand, rank tiles of 16", "shrink", "fused down GEMM, blocks of one adapter",
+          "fused down GEMM, SGLang's blocks")
+CONTROLS = ("expand, one rank tile, exact rank masks", "expand, rank tiles of 16, exact rank masks",
+            "fused down GEMM, blocks of one adapter, exact rank masks")
 
 
 @pytest.fixture(scope="module")
 def accesses():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-m", "harness.ptx", *SHIPPED, *CONTROLS], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "harness.ptx", *VECTOR, *CONTROLS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return {name: built["accesses"] for name, built in json.loads(done.stdout.splitlines()[-1]).items()}
@@ -38,7 +40,7 @@ def element_loads(counts: dict[str, int]) -> int:
     return sum(n for access, n in counts.items() if access.startswith("ld.global") and access.endswith("16"))
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", VECTOR)
 def test_lora_kernels_load_in_vectors(accesses, name):
     counts = accesses[name]
     assert element_loads(counts) == 0, counts
