@@ -16,6 +16,7 @@ for each, and the 12 kernels that took longest. Per step, in ms.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import glob
 import gzip
@@ -61,14 +62,19 @@ def waits(events: list[dict], python: list[dict], per: float) -> dict:
     """The host's waits for the GPU per step: how many, how long, and the innermost Python frame around
     each that is not torch's own (the code that asked), longest first."""
     found = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and WAIT.search(e["name"])]
-    frames = collections.defaultdict(list)  # per thread: the frames that can be a caller
-    for p in python:
+    frames = collections.defaultdict(list)  # per thread: the frames that can be a caller, by start
+    for p in sorted(python, key=lambda p: p["ts"]):
         if not NOT_A_CALLER.search(p["name"]):
             frames[p["tid"]].append(p)
+    starts = {tid: [p["ts"] for p in ps] for tid, ps in frames.items()}
     by_caller: dict[str, float] = collections.Counter()
     for w in found:
-        around = [p for p in frames[w["tid"]] if p["ts"] <= w["ts"] and p["ts"] + p["dur"] >= w["ts"] + w["dur"]]
-        caller = max(around, key=lambda p: p["ts"])["name"] if around else "(no Python frame)"
+        ps, caller = frames[w["tid"]], "(no Python frame)"
+        # The innermost frame around the wait is the latest to start of those that end after it.
+        for i in range(bisect.bisect_right(starts.get(w["tid"], []), w["ts"]) - 1, -1, -1):
+            if ps[i]["ts"] + ps[i]["dur"] >= w["ts"] + w["dur"]:
+                caller = ps[i]["name"]
+                break
         by_caller[caller] += w["dur"]
     return {"per_step": round(len(found) * per * 1000.0, 1), "ms": round(sum(w["dur"] for w in found) * per, 3),
             "callers": [{"caller": name[:120], "ms": round(us * per, 4)} for name, us in by_caller.most_common(5)]}
