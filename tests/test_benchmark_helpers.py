@@ -163,6 +163,34 @@ def test_a_profile_is_summarized_per_step_by_category(tmp_path, capsys):
     assert profile.main([str(empty), "x"]) == 1
 
 
+def test_a_profile_says_where_the_host_paced_the_gpu(tmp_path):
+    def x(cat, name, ts, dur, corr=None, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid,
+                **({"args": {"correlation": corr}} if corr is not None else {})}
+
+    events = [
+        x("cpu_op", "aten::embedding", 0, 5),  # one step, counted without stacks
+        x("cuda_runtime", "cudaLaunchKernel", 0, 10, 1), x("kernel", "fused_moe_kernel", 20, 100, 1),
+        # Launched while the GPU was busy: its 10 us gap is not the host's.
+        x("cuda_runtime", "cudaLaunchKernel", 30, 10, 2), x("kernel", "_shrink_kernel", 130, 50, 2),
+        # Launched at 300-310, the GPU idle since 180: 140 us waiting for the host.
+        x("cuda_driver", "cuLaunchKernelEx", 300, 10, 3), x("kernel", "_expand_kernel", 320, 50, 3),
+        x("cuda_runtime", "cudaMemcpyAsync", 330, 5, 4), x("gpu_memcpy", "Memcpy HtoD", 340, 10, 4),
+        x("cuda_runtime", "cudaEventRecord", 400, 2, 5),  # no GPU work: not a launch
+        x("cuda_runtime", "cudaLaunchKernel", 500, 10, 6), x("kernel", "nvjet_tst_128x64", 520, 10, 6),
+        x("cuda_runtime", "cudaLaunchKernel", 505, 10, 7, tid=2), x("kernel", "rmsnorm_kernel", 530, 10, 7),
+    ]
+    path = tmp_path / "prefill-TP-0.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = profile.summarize(str(path))
+    assert summary["steps"] == 1
+    assert summary["host_bound"] == {
+        "idle_ms": {"dense_gemm": 0.15, "moe_lora": 0.14},  # 520 - 370, 320 - 180
+        # Between launch ends on each thread: 40 - 10, 310 - 40; 335 - 310; 510 - 335; tid 2's first launch: none.
+        "host_ms": {"moe_lora": 0.3, "dense_gemm": 0.175, "copy": 0.025}}
+
+
 @pytest.mark.slow  # about 7 s on CPU: the checkpoint written, transformers' model loaded, 9 greedy generations
 def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tmp_path):
     model, lora = tmp_path / "model", tmp_path / "lora"

@@ -13,7 +13,7 @@
         SGLang's torch profiler (/start_profile ... /stop_profile) over one prefill wave (32 prompts of
         1024 tokens, 1 new token) and over 0.3 s of steady decoding (64 concurrent requests, 256 new
         tokens, 0.8 s in): TRACE_DIR/prefill-*.trace.json.gz and decode-*, summarized by
-        benchmarks/fast_lora/profile.py
+        benchmarks/fast_lora/profile.py; PROFILE_STACK=0: without Python stacks (the host at its own speed)
     python -m benchmarks.fast_lora.client compare DEFAULT.json FAST.json
         equal greedy tokens per request, and the log-probability gap at each first differing token
 """
@@ -58,7 +58,8 @@ def run(port: int, lora: bool) -> dict:
 def traced(port: int, trace_dir: str, stage: str):
     """SGLang's torch profiler from entry to exit; it writes TRACE_DIR/STAGE-TP-0.trace.json.gz as it stops."""
     ask(port, "/start_profile", {"output_dir": os.path.abspath(trace_dir), "profile_id": stage,
-                                 "activities": ["CPU", "GPU"], "with_stack": True, "record_shapes": False})
+                                 "activities": ["CPU", "GPU"],
+                                 "with_stack": os.environ.get("PROFILE_STACK", "1") != "0", "record_shapes": False})
     yield
     ask(port, "/stop_profile", {})
 

@@ -4,14 +4,16 @@
 
 For each trace under TRACE_DIR (``prefill-TP-0.trace.json.gz`` and ``decode-TP-0...`` from client.py;
 SGLang's own by-stage names, ``...-EXTEND...`` and ``...-DECODE...``, read the same): the steps it holds
-(calls of the model runner's ``forward``), the wall span of its GPU work, the time the GPU was busy (the
-union of its kernels and copies), the kernels' time by category (table below, first match wins), the
-host's time in SGLang's per-batch LoRA preparation (``LoRAManager.prepare_lora_batch``) and in this
-package's Python, callees included (on the fast path its hooks and their launches, on the default path
-SGLang's hook builder under this package's wrapper; none of it runs in a CUDA-graph replay), the host's
-waits for the GPU (CUDA's synchronize calls and synchronous copies: while the host waits it queues no
-work, so the GPU drains and then idles until the host is ahead again) with the Python code that asked
-for each, and the 12 kernels that took longest. Per step, in ms.
+(calls of the model runner's ``forward``; in a trace taken without stacks, of the token embedding), the
+wall span of its GPU work, the time the GPU was busy (the union of its kernels and copies), the kernels'
+time by category (table below, first match wins), the host's time in SGLang's per-batch LoRA preparation
+(``LoRAManager.prepare_lora_batch``) and in this package's Python, callees included (on the fast path its
+hooks and their launches, on the default path SGLang's hook builder under this package's wrapper; none of
+it runs in a CUDA-graph replay), the host's waits for the GPU (CUDA's synchronize calls and synchronous
+copies: while the host waits it queues no work, so the GPU drains and then idles until the host is ahead
+again) with the Python code that asked for each, where the host paced the GPU (``host_bound``: read it in
+a trace taken without stacks, whose host is not slowed by the profiler), and the 12 kernels that took
+longest. Per step, in ms.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ CATEGORIES = [
     ("norm", re.compile(r"norm", re.I)),
 ]
 STEP = re.compile(r"model_runner\.py\(\d+\): forward$")
+STEP_OP = "aten::embedding"
+"""Without stacks: the op that runs once a step (the token embedding)."""
 LORA_PREP = re.compile(r"lora_manager\.py\(\d+\): prepare_lora_batch$")
 OURS = re.compile(r"sglang_lora_tma_guard/")
 WAIT = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$")
@@ -80,13 +84,46 @@ def waits(events: list[dict], python: list[dict], per: float) -> dict:
             "callers": [{"caller": name[:120], "ms": round(us * per, 4)} for name, us in by_caller.most_common(5)]}
 
 
+def host_bound(events: list[dict], gpu: list[dict], per: float) -> dict:
+    """Where the host paced the GPU, per step: ``idle_ms``, the GPU's idle gaps that end at work launched
+    only after the GPU had run dry (the host was still on its way to that launch), and ``host_ms``, the
+    host's time between one launch and the next on its thread (the code that leads up to a launch, the
+    launch included); both by the category of the work so launched ("copy" for copies). CUDA-graph
+    replays count as one launch, of their first kernel."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    kind = {}  # correlation -> category of the first GPU work it launched
+    idle: dict[str, float] = collections.Counter()
+    reach = None
+    for e in sorted(gpu, key=lambda e: e["ts"]):
+        corr = e.get("args", {}).get("correlation")
+        what = category(e["name"]) if e["cat"] == "kernel" else "copy"
+        kind.setdefault(corr, what)
+        launch = launches.get(corr)
+        if reach is not None and e["ts"] > reach and launch is not None and launch["ts"] + launch["dur"] > reach:
+            idle[what] += e["ts"] - reach
+        reach = max(reach if reach is not None else 0.0, e["ts"] + e["dur"])
+    host: dict[str, float] = collections.Counter()
+    last: dict = {}
+    for corr, launch in sorted(launches.items(), key=lambda item: item[1]["ts"]):
+        if corr not in kind:
+            continue  # no GPU work (an event record, a synchronize)
+        end = launch["ts"] + launch["dur"]
+        if launch["tid"] in last:
+            host[kind[corr]] += end - last[launch["tid"]]
+        last[launch["tid"]] = end
+    ms = lambda c: {k: round(v * per, 3) for k, v in sorted(c.items(), key=lambda kv: -kv[1])}  # noqa: E731
+    return {"idle_ms": ms(idle), "host_ms": ms(host)}
+
+
 def summarize(path: str) -> dict:
     with gzip.open(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     kernels = [e for e in gpu if e["cat"] == "kernel"]
     python = [e for e in events if e.get("cat") == "python_function"]
-    steps = sum(1 for e in python if STEP.search(e["name"])) or None
+    steps = (sum(1 for e in python if STEP.search(e["name"]))  # with stacks
+             or sum(1 for e in events if e.get("cat") == "cpu_op" and e["name"] == STEP_OP) or None)
     per = 1.0 / (1000.0 * (steps or 1))
     by_category: dict[str, float] = collections.Counter()
     by_kernel: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -108,6 +145,7 @@ def summarize(path: str) -> dict:
         "host_lora_prep_ms": round(sum(e["dur"] for e in python if LORA_PREP.search(e["name"])) * per, 3),
         "host_ours_ms": round(sum(union_us(v) for v in by_thread.values()) * per, 3),
         "host_waits": waits(events, python, per),
+        "host_bound": host_bound(events, gpu, per),
         "top_kernels": [{"name": name[:90], "ms": round(us * per, 4), "calls_per_step": round(n / (steps or 1), 1),
                          "category": category(name)} for name, (us, n) in top],
     }
@@ -130,6 +168,8 @@ def main(argv: list[str]) -> int:
               f"({s['host_waits']['ms']} ms)")
         for c in s["host_waits"]["callers"]:
             print(f"   waited {c['ms']} ms a step in {c['caller']}")
+        print(f"   GPU idle until the host launched: {s['host_bound']['idle_ms']}; host time up to each launch: "
+              f"{s['host_bound']['host_ms']}")
     return 0 if result else 1
 
 
