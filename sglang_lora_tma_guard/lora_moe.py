@@ -231,7 +231,12 @@ class _Scratch:
     def of(cls, num_pairs: int, num_keys: int, block_m: int, device) -> _Scratch:
         rows = max_rows(num_pairs, num_keys, block_m)
         sizes = [num_keys, num_pairs, num_pairs, num_keys, 1, rows, rows // block_m]
-        return cls(*torch.split(torch.empty(sum(sizes), dtype=torch.int32, device=device), sizes))
+        # Each view starts on 16 bytes whatever the batch: Triton specializes a kernel on its pointers'
+        # alignment, so views at offsets that follow the pair count would compile (and launch) another
+        # variant of each kernel as the count changes, some without vector loads of the routing.
+        spans = [-(-n // 4) * 4 for n in sizes]
+        flat = torch.empty(sum(spans), dtype=torch.int32, device=device)
+        return cls(*(view[:n] for view, n in zip(torch.split(flat, spans), sizes)))
 
     def place(self, num_pairs: int, block_m: int) -> None:
         """After the count: each key's first row, then every pair into its row (two launches)."""

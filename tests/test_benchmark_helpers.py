@@ -179,6 +179,7 @@ def test_a_profile_says_where_the_host_paced_the_gpu(tmp_path):
         x("cuda_runtime", "cudaEventRecord", 400, 2, 5),  # no GPU work: not a launch
         x("cuda_runtime", "cudaLaunchKernel", 500, 10, 6), x("kernel", "nvjet_tst_128x64", 520, 10, 6),
         x("cuda_runtime", "cudaLaunchKernel", 505, 10, 7, tid=2), x("kernel", "rmsnorm_kernel", 530, 10, 7),
+        x("cuda_driver", "cuModuleLoadData", 200, 90),  # GPU code loaded, no correlation to a launch
     ]
     path = tmp_path / "prefill-TP-0.trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -188,7 +189,9 @@ def test_a_profile_says_where_the_host_paced_the_gpu(tmp_path):
     assert summary["host_bound"] == {
         "idle_ms": {"dense_gemm": 0.15, "moe_lora": 0.14},  # 520 - 370, 320 - 180
         # Between launch ends on each thread: 40 - 10, 310 - 40; 335 - 310; 510 - 335; tid 2's first launch: none.
-        "host_ms": {"moe_lora": 0.3, "dense_gemm": 0.175, "copy": 0.025}}
+        "host_ms": {"moe_lora": 0.3, "dense_gemm": 0.175, "copy": 0.025},
+        "longest": [{"ms": 0.15, "kernel": "nvjet_tst_128x64"}, {"ms": 0.14, "kernel": "_expand_kernel"}],
+        "module_loads": {"count": 1, "ms": 0.09}}
 
 
 @pytest.mark.slow  # about 7 s on CPU: the checkpoint written, transformers' model loaded, 9 greedy generations

@@ -316,6 +316,19 @@ def test_token_adapters_from_segments_where_sglang_gives_no_map(runners):
     assert torch.equal(lora_path.token_adapters(older, TOKENS), info.token_lora_mapping)
 
 
+@pytest.mark.parametrize("num_pairs", [1, 6, 13, 4096 + 3])
+def test_every_routing_buffer_starts_on_16_bytes_whatever_the_batch(num_pairs):
+    """Triton specializes each kernel on its pointers' alignment: buffers that moved with the pair count
+    would compile another variant of each kernel as batches change (and some without vector loads)."""
+    scratch = lora_moe._Scratch.of(num_pairs, num_keys=5 * 13, block_m=16, device="cpu")
+    views = dataclasses.astuple(scratch)
+    assert [v.data_ptr() % 16 for v in views] == [0] * len(views)
+    rows = lora_moe.max_rows(num_pairs, 5 * 13, 16)
+    assert [v.numel() for v in views] == [65, num_pairs, num_pairs, 65, 1, rows, rows // 16]
+    ends = sorted((v.data_ptr(), v.data_ptr() + 4 * v.numel()) for v in views)
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:]))  # no two overlap
+
+
 def test_dynamo_compiles_the_fast_hooks_in_one_graph(runners, monkeypatch):
     """A caller compiled with ``fullgraph=True`` builds and runs the fast hooks (the builder a plain
     function on the module, the routing and both GEMMs custom ops) and adds what an eager caller adds."""

@@ -38,6 +38,7 @@ CATEGORIES = [
     ("norm", re.compile(r"norm", re.I)),
 ]
 STEP = re.compile(r"model_runner\.py\(\d+\): forward$")
+MODULE_LOAD = re.compile(r"^cu(Module|Library)Load")
 STEP_OP = "aten::embedding"
 """Without stacks: the op that runs once a step (the token embedding)."""
 LORA_PREP = re.compile(r"lora_manager\.py\(\d+\): prepare_lora_batch$")
@@ -88,12 +89,15 @@ def host_bound(events: list[dict], gpu: list[dict], per: float) -> dict:
     """Where the host paced the GPU, per step: ``idle_ms``, the GPU's idle gaps that end at work launched
     only after the GPU had run dry (the host was still on its way to that launch), and ``host_ms``, the
     host's time between one launch and the next on its thread (the code that leads up to a launch, the
-    launch included); both by the category of the work so launched ("copy" for copies). CUDA-graph
-    replays count as one launch, of their first kernel."""
+    launch included); both by the category of the work so launched ("copy" for copies); ``longest``, the
+    five longest such gaps (ms, not per step) with the kernel that ended each; ``module_loads``, the
+    host's loads of GPU code (a kernel compiled, or read from a compile cache) and their ms per step.
+    CUDA-graph replays count as one launch, of their first kernel."""
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     kind = {}  # correlation -> category of the first GPU work it launched
     idle: dict[str, float] = collections.Counter()
+    gaps = []
     reach = None
     for e in sorted(gpu, key=lambda e: e["ts"]):
         corr = e.get("args", {}).get("correlation")
@@ -102,6 +106,7 @@ def host_bound(events: list[dict], gpu: list[dict], per: float) -> dict:
         launch = launches.get(corr)
         if reach is not None and e["ts"] > reach and launch is not None and launch["ts"] + launch["dur"] > reach:
             idle[what] += e["ts"] - reach
+            gaps.append((e["ts"] - reach, e["name"]))
         reach = max(reach if reach is not None else 0.0, e["ts"] + e["dur"])
     host: dict[str, float] = collections.Counter()
     last: dict = {}
@@ -113,7 +118,10 @@ def host_bound(events: list[dict], gpu: list[dict], per: float) -> dict:
             host[kind[corr]] += end - last[launch["tid"]]
         last[launch["tid"]] = end
     ms = lambda c: {k: round(v * per, 3) for k, v in sorted(c.items(), key=lambda kv: -kv[1])}  # noqa: E731
-    return {"idle_ms": ms(idle), "host_ms": ms(host)}
+    loads = [e for e in events if e.get("cat") == "cuda_driver" and MODULE_LOAD.search(e["name"])]
+    return {"idle_ms": ms(idle), "host_ms": ms(host),
+            "longest": [{"ms": round(us / 1000.0, 3), "kernel": name[:80]} for us, name in sorted(gaps)[::-1][:5]],
+            "module_loads": {"count": len(loads), "ms": round(sum(e["dur"] for e in loads) * per, 3)}}
 
 
 def summarize(path: str) -> dict:
@@ -169,7 +177,8 @@ def main(argv: list[str]) -> int:
         for c in s["host_waits"]["callers"]:
             print(f"   waited {c['ms']} ms a step in {c['caller']}")
         print(f"   GPU idle until the host launched: {s['host_bound']['idle_ms']}; host time up to each launch: "
-              f"{s['host_bound']['host_ms']}")
+              f"{s['host_bound']['host_ms']}; longest {s['host_bound']['longest']}; GPU code loaded "
+              f"{s['host_bound']['module_loads']}")
     return 0 if result else 1
 
 
