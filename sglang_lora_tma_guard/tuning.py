@@ -71,7 +71,13 @@ def _stage(values: dict) -> StageConfig:
 @torch.compiler.assume_constant_result  # a function of the shapes: Dynamo runs it once per shape, no tracing
 def plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: int, max_rank: int) -> Plan:
     """The tiling for a batch of ``num_pairs`` (tokens x topk) on this GPU."""
-    buckets = _table(os.environ.get(TILES_ENV) or None).get(_gpu(), {}).get(
+    return _plan(num_pairs, hidden, intermediate, experts, loras, max_rank, os.environ.get(TILES_ENV) or None)
+
+
+@functools.lru_cache(maxsize=4096)  # every MoE layer of a batch asks for the same plan
+def _plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: int, max_rank: int,
+          tiles_path: str | None) -> Plan:
+    buckets = _table(tiles_path).get(_gpu(), {}).get(
         shape_key(hidden, intermediate, experts, max_rank))
     if buckets:
         entry = next((b for b in buckets if num_pairs <= b["max_pairs"]), buckets[-1])
