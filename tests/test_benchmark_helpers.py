@@ -194,6 +194,23 @@ def test_a_profile_says_where_the_host_paced_the_gpu(tmp_path):
         "module_loads": {"count": 1, "ms": 0.09}}
 
 
+def test_the_hooks_host_time_is_timed_with_the_launches_left_out_and_put_back(capsys):
+    from benchmarks import hook_host_time
+    from sglang_lora_tma_guard import lora_moe
+
+    kernels = {name: getattr(lora_moe, name) for name in dir(lora_moe) if name.endswith("_kernel")}
+    assert len(kernels) >= 7
+    with hook_host_time.launches_left_out():
+        hooks = hook_host_time.layer(16)
+        for step in hooks.values():
+            step()  # builds and calls both hooks: nothing launched, nothing left half-built
+    assert {name: getattr(lora_moe, name) for name in kernels} == kernels  # every kernel back
+    assert hook_host_time.main(["--repeats", "1", "--layers", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "tokens x top-8" in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["64 tokens x top-8", "1024 tokens x top-8"]
+    assert all(float(cell) > 0 for row in rows for cell in row.split("|")[3:7])
+
+
 @pytest.mark.slow  # about 7 s on CPU: the checkpoint written, transformers' model loaded, 9 greedy generations
 def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tmp_path):
     model, lora = tmp_path / "model", tmp_path / "lora"
