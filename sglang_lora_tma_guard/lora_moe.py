@@ -237,8 +237,8 @@ class _Scratch:
         rows = max_rows(num_pairs, num_keys, block_m)
         sizes = [num_keys, num_pairs, num_pairs, num_keys, 1, rows, rows // block_m]
         # Each view starts on 16 bytes whatever the batch: Triton specializes a kernel on its pointers'
-        # alignment, so views at offsets that follow the pair count would compile (and launch) another
-        # variant of each kernel as the count changes, some without vector loads of the routing.
+        # alignment, so views at offsets that follow the pair count would make each change of it modulo 4
+        # another variant of every kernel, compiled when first seen (in a server, while it serves).
         pieces = [m for n in sizes for m in (n, -n % 4)]  # each view, then the padding to 16 bytes
         flat = torch.empty(sum(pieces), dtype=torch.int32, device=device)
         return cls(*flat.split(pieces)[::2])

@@ -319,7 +319,7 @@ def test_token_adapters_from_segments_where_sglang_gives_no_map(runners):
 @pytest.mark.parametrize("num_pairs", [1, 6, 13, 4096 + 3])
 def test_every_routing_buffer_starts_on_16_bytes_whatever_the_batch(num_pairs):
     """Triton specializes each kernel on its pointers' alignment: buffers that moved with the pair count
-    would compile another variant of each kernel as batches change (and some without vector loads)."""
+    would compile another variant of each kernel as batches change."""
     scratch = lora_moe._Scratch.of(num_pairs, num_keys=5 * 13, block_m=16, device="cpu")
     views = dataclasses.astuple(scratch)
     assert [v.data_ptr() % 16 for v in views] == [0] * len(views)

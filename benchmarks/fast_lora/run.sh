@@ -11,8 +11,8 @@
 #   bash benchmarks/fast_lora/run.sh [names...]    (default: default fast nolora score); results under ${OUT:-results}/
 # LAYERS (default 3): the model's depth; 16 makes a decode step GPU-bound. DTYPE=float16|bfloat16 (default
 # bfloat16): the servers' --dtype. STEPS (default "run load profile"): which of the client's steps each
-# server takes. The runs are kept on the machine too ($E2E/runs-L$LAYERS), so "score" may come in a later
-# call than the servers.
+# server takes; PROFILE_STACK=0: the profile's traces without Python stacks. The runs are kept on the
+# machine too ($E2E/runs-L$LAYERS), so "score" may come in a later call than the servers.
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 source benchmarks/serving/server.sh
