@@ -38,8 +38,14 @@ def shrink_candidates(k: int, max_rank: int, num_pairs: int):
                 yield replace(BASE, shrink_block_r=block_r, shrink_block_k=block_k, split_k=split_k)
 
 
+# (128, 16, 8): the decode tiles' own shape with twice the warps: 48 registers a thread against 72 (sm_90
+# PTX through ptxas, `python -m harness.ptx`), 40 warps an SM against 28 where Nsight Compute finds the
+# 4-warp tile latency-bound at the occupancy its registers allow (docs/lora_moe_floor.md).
+EXPAND_TILES = ((64, 16, 4), (64, 32, 4), (128, 16, 4), (128, 16, 8), (128, 32, 8), (128, 64, 8), (256, 32, 8))
+
+
 def expand_candidates(max_rank: int):
-    for block_n, block_r, warps in ((64, 16, 4), (64, 32, 4), (128, 16, 4), (128, 32, 8), (128, 64, 8), (256, 32, 8)):
+    for block_n, block_r, warps in EXPAND_TILES:
         if block_r <= max(16, max_rank):
             for n_tiles in (1, 4, 16, 64):  # column tiles per program (64: a whole row of the output)
                 yield replace(BASE, expand_block_n=block_n, expand_block_r=block_r, expand_warps=warps,
