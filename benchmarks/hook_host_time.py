@@ -10,7 +10,7 @@ time for 41 ms of GPU work, docs/benchmarks.md), this time is on the step's crit
 Triton launch of :mod:`~sglang_lora_tma_guard.lora_moe` is replaced by a no-op, so what is timed is the
 package's own Python and the tensors it allocates, on the CPU (SGLang's real ``LoRAInfo``; a decode-size
 batch, whose routing is one launch, and a prefill-size one, whose routing is three); Triton's own launch
-cost (a few microseconds a launch, seven launches a layer) comes on top. Best of ``--repeats``; compare
+path (five to seven launches a layer) comes on top and is not timed here. Best of ``--repeats``; compare
 rows of one run.
 """
 
