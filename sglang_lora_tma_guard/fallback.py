@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .moe_gemm import _quantize_group, moe_gemm, quantize_per_group, tile
+from .moe_gemm import _quantize_group, cdiv, moe_gemm, quantize_per_group, tile
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu2": lambda x: torch.square(F.relu(x))}
 """Elementwise activations by SGLang's name (the gated ones apply to the gate half)."""
@@ -92,7 +92,7 @@ def gated_activation(x: torch.Tensor, activation: str, group: int | None = None)
     half = width // 2
     out = torch.empty((rows, half), dtype=x.dtype, device=x.device)
     block = group or min(1024, triton.next_power_of_2(half))
-    blocks = triton.cdiv(half, block)
+    blocks = cdiv(half, block)
     if group:
         q = torch.empty((rows, half), dtype=torch.float8_e4m3fn, device=x.device)
         scale = torch.empty((rows, blocks), dtype=torch.float32, device=x.device)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_gemm import _granule, rank_granule
+from .moe_gemm import _granule, cdiv, rank_granule
 
 ROUTE_BLOCK = 1024
 """Pairs (or keys, or rows) one routing program handles per step."""
@@ -190,16 +190,11 @@ ONE_PROGRAM_PAIRS = 2048
 """Up to this many pairs (tokens x topk) the routing runs as one program (one launch instead of four)."""
 
 
-def _cdiv(a: int, b: int) -> int:
-    """``triton.cdiv`` on the host: Triton 3.8's is a ``ConstexprFunction``, 3 us a call from Python here."""
-    return -(-a // b)
-
-
 def max_rows(num_pairs: int, num_keys: int, block_m: int) -> int:
     """Rows the grouping can need: each pair once, plus padding for each key in use (at most
     ``min(pairs, keys)`` of them), rounded to whole blocks."""
     rows = num_pairs + min(num_pairs, num_keys) * (block_m - 1)
-    return _cdiv(rows, block_m) * block_m
+    return cdiv(rows, block_m) * block_m
 
 
 def route(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: torch.Tensor,
@@ -248,7 +243,7 @@ class _Scratch:
         num_keys, rows = self.counts.numel(), self.sorted_ids.numel()
         _offsets_kernel[(1,)](self.counts, self.offsets, self.rows_used, self.sorted_ids, num_keys, rows, num_pairs,
                               BLOCK_M=block_m, BLOCK_KEYS=ROUTE_BLOCK, BLOCK_FILL=ROUTE_BLOCK)
-        _scatter_kernel[(max(1, _cdiv(num_pairs, ROUTE_BLOCK)),)](
+        _scatter_kernel[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
             self.keys, self.slots, self.offsets, self.sorted_ids, self.block_key, num_pairs, BLOCK_M=block_m,
             BLOCK=ROUTE_BLOCK)
 
@@ -269,7 +264,7 @@ def _route(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts: int, 
                                         BLOCK=ROUTE_BLOCK)
         return b.routing(block_m, num_pairs, num_experts)
     b.counts.zero_()
-    _count_kernel[(max(1, _cdiv(num_pairs, ROUTE_BLOCK)),)](
+    _count_kernel[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
         topk_ids, token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots, num_pairs, num_loras,
         num_experts, TOPK=topk, BLOCK=ROUTE_BLOCK)
     b.place(num_pairs, block_m)
@@ -312,7 +307,7 @@ def route_all(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled:
     num_pairs, num_loras = tokens * topk, lora_ranks.numel()
     b = _Scratch.of(num_pairs, num_experts * (num_loras + 1) + 1, block_m, topk_ids.device)
     b.counts.zero_()
-    _count_all_kernel[(max(1, _cdiv(num_pairs, ROUTE_BLOCK)),)](
+    _count_all_kernel[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
         topk_ids.contiguous(), token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots, num_pairs,
         num_loras, num_experts, lora_experts, TOPK=topk, BLOCK=ROUTE_BLOCK)
     b.place(num_pairs, block_m)
@@ -531,7 +526,7 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, lora_ranks: 
     pairs_per_x = topk if x.shape[0] != num_pairs else 1
     alloc = torch.zeros if c.split_k > 1 else torch.empty
     t = alloc(num_pairs, halves * max_rank, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(routing.max_blocks, _cdiv(max_rank, c.shrink_block_r), c.split_k)](
+    _shrink_kernel[(routing.max_blocks, cdiv(max_rank, c.shrink_block_r), c.split_k)](
         x, lora_a, t, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
         num_pairs, x.shape[1], routing.num_experts, max_rank,
         x.stride(0), x.stride(1), lora_a.stride(0), _expert_stride(lora_a), lora_a.stride(2), lora_a.stride(3),
@@ -549,7 +544,7 @@ def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Ro
     c = config
     half_width = out.shape[2] // halves
     weights = topk_weights.reshape(-1) if topk_weights is not None else t
-    groups = _cdiv(_cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
+    groups = cdiv(cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
     _expand_kernel[(routing.max_blocks, halves * groups)](
         t, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
         routing.num_pairs, half_width, routing.num_experts, max_rank,

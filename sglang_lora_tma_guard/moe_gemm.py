@@ -36,6 +36,12 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 _QUANT_EPS = tl.constexpr(QUANT_EPS)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` on the host: Triton 3.8's is a ``ConstexprFunction``, 3 us a call from Python here;
+    the launchers of this module, ``fallback`` and ``lora_moe`` run it several times a MoE call."""
+    return -(-a // b)
+
+
 @triton.jit
 def _moe_gemm_kernel(
     # Pointers. A (rows, K): the GEMM's input, one row per token (gate-up) or per route (down);
@@ -289,14 +295,14 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     assert a.dim() == 2 and a.shape[1] == k, f"A is {tuple(a.shape)}, the weights take K={k}"
     assert out.dim() == 2 and out.shape[1] == n, f"C is {tuple(out.shape)}, the weights give N={n}"
     assert out.shape[0] == a.shape[0] * routes_per_a_row, "one output row per route"
-    assert expert_ids.shape[0] >= triton.cdiv(sorted_ids.shape[0], block_m), "one expert id per route block"
+    assert expert_ids.shape[0] >= cdiv(sorted_ids.shape[0], block_m), "one expert id per route block"
     if bias is not None:
         assert bias.shape == (experts, n), f"bias is {tuple(bias.shape)}, expected {(experts, n)}"
     if fp8:
         assert a.dtype == torch.float8_e4m3fn and a_scale is not None, "block fp8 takes fp8 A with its scales"
-        groups = triton.cdiv(k, block_k)
+        groups = cdiv(k, block_k)
         assert a_scale.shape == (a.shape[0], groups), f"A's scales are {tuple(a_scale.shape)}, expected {(a.shape[0], groups)}"
-        expected = (experts, triton.cdiv(n, scale_block_n), groups)
+        expected = (experts, cdiv(n, scale_block_n), groups)
         assert w_scale.shape == expected, f"the weights' scales are {tuple(w_scale.shape)}, expected {expected}"
     else:
         assert a.dtype == w.dtype, f"A in {a.dtype}, weights in {w.dtype}"
@@ -320,7 +326,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, tile["BLOCK_N"], block_k])
-    grid = (triton.cdiv(sorted_ids.shape[0], block_m) * triton.cdiv(n, tile["BLOCK_N"]),)
+    grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, tile["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, a_scale if fp8 else a, w, out, bias if bias is not None else w, w_scale if fp8 else w,
         topk_weights, sorted_ids, expert_ids, num_post_padded, b_desc, *lora_args,
@@ -343,7 +349,7 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     assert x.stride(-1) == 1, "the quantize kernel reads each row as one contiguous run"
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    scale = torch.empty((rows, cdiv(k, group)), dtype=torch.float32, device=x.device)
     _quantize_kernel[(rows, scale.shape[1])](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
                                              GROUP=group)
     return q, scale
