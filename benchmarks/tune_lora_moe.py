@@ -44,18 +44,12 @@ def shrink_candidates(k: int, max_rank: int, num_pairs: int):
 EXPAND_TILES = ((64, 16, 4), (64, 32, 4), (128, 16, 4), (128, 16, 8), (128, 32, 8), (128, 64, 8), (256, 32, 8))
 
 
-# Programs a column group when fewer than blocks (0: one a block). At 64 tokens of Qwen3-30B-A3B tp 1,
-# 292 of the 512 blocks are in use: a grid of 512 starts 43% of its programs only to exit.
-EXPAND_PROGRAMS = (0, 32, 128)
-
-
 def expand_candidates(max_rank: int):
     for block_n, block_r, warps in EXPAND_TILES:
         if block_r <= max(16, max_rank):
             for n_tiles in (1, 4, 16, 64):  # column tiles per program (64: a whole row of the output)
-                for programs in EXPAND_PROGRAMS if n_tiles <= 4 else (0,):
-                    yield replace(BASE, expand_block_n=block_n, expand_block_r=block_r, expand_warps=warps,
-                                  expand_n_tiles=n_tiles, expand_programs=programs)
+                yield replace(BASE, expand_block_n=block_n, expand_block_r=block_r, expand_warps=warps,
+                              expand_n_tiles=n_tiles)
 
 
 def block_m_candidates(num_pairs: int):
@@ -133,8 +127,7 @@ def tune_batch(shape, ranks_name, tokens, weights):
 
 def _tiles(t: dict) -> str:
     return (f"shrink r{t['shrink_block_r']} k{t['shrink_block_k']} split {t['split_k']}, "
-            f"expand n{t['expand_block_n']} r{t['expand_block_r']} w{t['expand_warps']} x{t.get('expand_n_tiles', 1)}"
-            f"{' p' + str(t['expand_programs']) if t.get('expand_programs') else ''}")
+            f"expand n{t['expand_block_n']} r{t['expand_block_r']} w{t['expand_warps']} x{t.get('expand_n_tiles', 1)}")
 
 
 def main(argv=None) -> int:

@@ -73,7 +73,7 @@ def expand(**meta) -> dict:
     from sglang_lora_tma_guard import lora_moe
 
     constexprs = dict(TOPK=8, MUL_ROUTED_WEIGHT=False, BLOCK_M=16, BLOCK_N=128, BLOCK_R=64, N_TILES=4,
-                      ONE_R_TILE=True, RANK_GRANULE=8, LOOP_BLOCKS=False)
+                      ONE_R_TILE=True, RANK_GRANULE=8)
     warps = meta.pop("num_warps", 8)
     constexprs.update(meta)
     return compiled(lora_moe._expand_kernel, types={"t_ptr": "*fp32", "weights_ptr": "*fp32",
@@ -121,10 +121,6 @@ CONFIGURATIONS = {
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
                                          num_warps=4),
     "decode shrink gate-up": lambda: shrink(BLOCK_R=64),
-    # The decode gate-up expand with fewer programs than blocks, each looping over the blocks in use.
-    "decode expand gate-up, looping over blocks": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1,
-                                                                 LOOP_BLOCKS=True, num_warps=4),
-    "decode expand gate-up, one rank tile, looping over blocks": lambda: expand(N_TILES=1, LOOP_BLOCKS=True),
 }
 
 

@@ -408,38 +408,13 @@ def _expand_kernel(
     N_TILES: tl.constexpr,  # column tiles per program: the block's indices and ranks read once for all
     ONE_R_TILE: tl.constexpr,  # BLOCK_R >= max_rank: t read once, and the column loop is the pipelined one
     RANK_GRANULE: tl.constexpr,  # ranks loaded in aligned runs of this many (moe_gemm._granule)
-    LOOP_BLOCKS: tl.constexpr,  # fewer programs than blocks: each adds every num_programs(0)-th block in use
 ):
     """``out[pair, half * half_width + n] += sum_r t[pair, half * max_rank + r] * B[adapter, expert, half *
-    half_width + n, r]`` (times the routed weight where asked); grid (blocks or fewer, halves * column-tile
-    groups)."""
+    half_width + n, r]`` (times the routed weight where asked); grid (blocks, halves * column-tile groups)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if LOOP_BLOCKS:
-        # No program for the blocks past the rows in use (a grid of every block the batch could need
-        # starts one for each, which reads its entries and exits).
-        for blk in range(pid_m, tl.cdiv(tl.load(rows_used_ptr), BLOCK_M), tl.num_programs(0)):
-            key = tl.load(block_key_ptr + blk)
-            pairs = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            _expand_block(key, pairs, pid_n, t_ptr, b_ptr, out_ptr, weights_ptr, ranks_ptr, num_pairs, half_width,
-                          num_experts, max_rank, stride_tm, stride_bl, stride_be, stride_bn, stride_br, stride_ot,
-                          stride_ok, stride_on, TOPK, MUL_ROUTED_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_R, N_TILES,
-                          ONE_R_TILE, RANK_GRANULE)
-    else:
-        key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
-        if pid_m * BLOCK_M < used:
-            _expand_block(key, pairs, pid_n, t_ptr, b_ptr, out_ptr, weights_ptr, ranks_ptr, num_pairs, half_width,
-                          num_experts, max_rank, stride_tm, stride_bl, stride_be, stride_bn, stride_br, stride_ot,
-                          stride_ok, stride_on, TOPK, MUL_ROUTED_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_R, N_TILES,
-                          ONE_R_TILE, RANK_GRANULE)
-
-
-@triton.jit
-def _expand_block(key, pairs, pid_n, t_ptr, b_ptr, out_ptr, weights_ptr, ranks_ptr, num_pairs, half_width,
-                  num_experts, max_rank, stride_tm, stride_bl, stride_be, stride_bn, stride_br, stride_ot, stride_ok,
-                  stride_on, TOPK: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_TILES: tl.constexpr, ONE_R_TILE: tl.constexpr,
-                  RANK_GRANULE: tl.constexpr):
-    """One block's delta over program ``pid_n``'s column tiles (the expand kernel's body)."""
+    key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
+    if pid_m * BLOCK_M >= used:
+        return
     adapter, expert = key // num_experts, key % num_experts
     rank = tl.load(ranks_ptr + adapter)  # adapter < slots: a block's key comes from a known slot
     tiles = tl.cdiv(half_width, BLOCK_N)
@@ -503,9 +478,6 @@ class StageConfig:
     expand_stages: int = 2
     expand_n_tiles: int = 1
     """Column tiles each expand program adds (the block's routing read once for all of them)."""
-    expand_programs: int = 0
-    """0: one expand program per block the batch could need (the grid static, for CUDA graphs), those past
-    the rows in use exiting at once; n: at most n, each adding every n-th block in use."""
 
 
 _STAGE_FIELDS = tuple(f.name for f in fields(StageConfig))
@@ -573,8 +545,7 @@ def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Ro
     half_width = out.shape[2] // halves
     weights = topk_weights.reshape(-1) if topk_weights is not None else t
     groups = cdiv(cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
-    programs = min(routing.max_blocks, c.expand_programs or routing.max_blocks)
-    _expand_kernel[(programs, halves * groups)](
+    _expand_kernel[(routing.max_blocks, halves * groups)](
         t, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
         routing.num_pairs, half_width, routing.num_experts, max_rank,
         t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
@@ -582,7 +553,7 @@ def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Ro
         TOPK=out.shape[1], MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=routing.block_m, BLOCK_N=c.expand_block_n, BLOCK_R=c.expand_block_r, N_TILES=c.expand_n_tiles,
         ONE_R_TILE=c.expand_block_r >= max_rank, RANK_GRANULE=rank_granule(max_rank),
-        LOOP_BLOCKS=programs < routing.max_blocks, num_warps=c.expand_warps, num_stages=c.expand_stages,
+        num_warps=c.expand_warps, num_stages=c.expand_stages,
     )
 
 

@@ -172,10 +172,7 @@ def test_sglangs_virtual_experts_path_is_wrong_on_gated_moe_only(runners, name):
     # Ranks of no multiple of 8 with NaN past them, through both expand paths.
     (16, lora_moe.StageConfig(expand_block_r=16), "odd-ranks-nan-padding"),
     (16, lora_moe.StageConfig(expand_block_r=64, expand_n_tiles=2), "odd-ranks-nan-padding"),
-    # Two expand programs a column group, each looping over the blocks in use.
-    (16, lora_moe.StageConfig(expand_block_n=32, expand_programs=2), "top8"),
-], ids=["split-k", "block-32", "column-tile-groups", "one-rank-tile", "odd-ranks", "odd-ranks-one-rank-tile",
-        "expand-looping-over-blocks"])
+], ids=["split-k", "block-32", "column-tile-groups", "one-rank-tile", "odd-ranks", "odd-ranks-one-rank-tile"])
 def test_tiles_and_routing_paths_agree_with_the_reference(runners, block_m, config, case, monkeypatch):
     """Split K (atomic adds), wider rank tiles, 32-row blocks, several column tiles per expand program,
     and the four-launch routing of large batches."""
@@ -187,34 +184,6 @@ def test_tiles_and_routing_paths_agree_with_the_reference(runners, block_m, conf
     fast = run_hooks(lora_path.build_hooks(sglang_build(runners), problem.hidden_states, info, problem.topk_ids),
                      problem, info)
     assert max(errors(fast, reference)) < TOLERANCE
-
-
-@pytest.mark.parametrize("programs, config", [
-    (3, lora_moe.StageConfig(expand_block_n=32)),
-    pytest.param(1, lora_moe.StageConfig(expand_block_r=64, expand_block_n=32, expand_n_tiles=2), marks=pytest.mark.slow),
-    pytest.param(7, lora_moe.StageConfig(expand_block_r=16, expand_block_n=64), marks=pytest.mark.slow),
-], ids=["3-programs", "1-program-one-rank-tile", "7-programs"])
-def test_expand_looping_over_blocks_adds_what_a_program_per_block_adds(runners, programs, config):
-    """Fewer expand programs than blocks (``expand_programs``: each adds every n-th block in use) compute
-    each block's tile as a program of its own does: bit for bit, both halves of a gated gate-up and the
-    routed-weight down, with more blocks in use than programs."""
-    problem, info = make_case("mixed-ranks-top2", seed=2)
-    ranks, enabled = info.lora_ranks.to(torch.int32), info.adapter_enabled.to(torch.int32)
-    tokens, topk = problem.topk_ids.shape
-    routing = lora_moe.route(problem.topk_ids, lora_path.token_adapters(info, tokens), enabled, ranks,
-                             info.gate_up_lora_b_weights.shape[1], 16)
-    assert routing.max_blocks > programs
-    looped = dataclasses.replace(config, expand_programs=programs)
-    gen = torch.Generator().manual_seed(7)
-    r = info.max_lora_rank
-    for b, halves, weights in ((info.gate_up_lora_b_weights, 2, None), (info.down_lora_b_weights, 1, problem.topk_weights)):
-        t = torch.randn(tokens * topk, halves * r, generator=gen)
-        out = torch.randn(tokens, topk, b.shape[2], generator=gen).half()
-        each, loop = out.clone(), out.clone()
-        for cache, cfg in ((each, config), (loop, looped)):
-            lora_moe.expand(cache, t, b, routing, ranks, max_rank=r, halves=halves, topk_weights=weights, config=cfg)
-        assert not torch.equal(each, out)
-        assert torch.equal(loop, each)
 
 
 def expected_moe(problem, hooks):
