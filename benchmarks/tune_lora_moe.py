@@ -44,12 +44,14 @@ def shrink_candidates(k: int, max_rank: int, num_pairs: int):
 EXPAND_TILES = ((64, 16, 4), (64, 32, 4), (128, 16, 4), (128, 16, 8), (128, 32, 8), (128, 64, 8), (256, 32, 8))
 
 
-def expand_candidates(max_rank: int):
+def expand_candidates(max_rank: int, num_pairs: int):
     for block_n, block_r, warps in EXPAND_TILES:
         if block_r <= max(16, max_rank):
             for n_tiles in (1, 4, 16, 64):  # column tiles per program (64: a whole row of the output)
-                yield replace(BASE, expand_block_n=block_n, expand_block_r=block_r, expand_warps=warps,
-                              expand_n_tiles=n_tiles)
+                # Where the expand streams its output, more of it in flight: deeper pipelines of the loop.
+                for stages in (2, 3, 4) if n_tiles > 1 and num_pairs >= 8192 else (2,):
+                    yield replace(BASE, expand_block_n=block_n, expand_block_r=block_r, expand_warps=warps,
+                                  expand_n_tiles=n_tiles, expand_stages=stages)
 
 
 def block_m_candidates(num_pairs: int):
@@ -86,7 +88,7 @@ def tune_hook(routing, info, ranks, x, out, a, b, halves, topk, weights):
     shrink_cfg, shrink_ms = best(shrinks)
     t = lora_moe.shrink(x, a, routing, ranks, topk=topk, max_rank=r, halves=halves, config=shrink_cfg)
     expands = {}
-    for cfg in expand_candidates(r):
+    for cfg in expand_candidates(r, routing.num_pairs):
         graph = _try_capture(lambda c=cfg: lora_moe.expand(out, t, b, routing, ranks, max_rank=r, halves=halves,
                                                             topk_weights=weights, config=c))
         if graph is not None:
@@ -127,7 +129,8 @@ def tune_batch(shape, ranks_name, tokens, weights):
 
 def _tiles(t: dict) -> str:
     return (f"shrink r{t['shrink_block_r']} k{t['shrink_block_k']} split {t['split_k']}, "
-            f"expand n{t['expand_block_n']} r{t['expand_block_r']} w{t['expand_warps']} x{t.get('expand_n_tiles', 1)}")
+            f"expand n{t['expand_block_n']} r{t['expand_block_r']} w{t['expand_warps']} x{t.get('expand_n_tiles', 1)}"
+            f" s{t['expand_stages']}")
 
 
 def main(argv=None) -> int:
