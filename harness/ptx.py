@@ -23,7 +23,7 @@ from collections import Counter
 
 ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.]*|\bcp\.async\.c[ag]\.shared\.global[\w.]*")
 
-_INT32 = ("sorted_ptr", "block_key_ptr", "rows_used_ptr", "ranks_ptr")
+_INT32 = ("sorted_ptr", "block_key_ptr", "rows_used_ptr")
 _NOT_ALIGNED = ("num_pairs",)  # a batch's pairs (the routing's views each start on 16 bytes: lora_moe._Scratch)
 
 

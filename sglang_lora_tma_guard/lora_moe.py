@@ -36,6 +36,14 @@ from .moe_gemm import _granule, cdiv, rank_granule
 ROUTE_BLOCK = 1024
 """Pairs (or keys, or rows) one routing program handles per step."""
 
+KEY_BITS = 20
+"""A block's entry holds its virtual expert in the low ``KEY_BITS`` bits and its adapter's rank above
+them: the grouped GEMMs read both in one load, with no dependent load of the rank behind the key."""
+MAX_KEYS = 1 << KEY_BITS
+MAX_RANK = (1 << (31 - KEY_BITS)) - 1
+_KEY_BITS = tl.constexpr(KEY_BITS)
+_KEY_MASK = tl.constexpr(MAX_KEYS - 1)
+
 # --------------------------------------------------------------------------------------------------
 # Routing: pairs grouped by virtual expert (adapter * experts + expert), blocks of BLOCK_M rows.
 
@@ -44,7 +52,8 @@ ROUTE_BLOCK = 1024
 def _count_kernel(
     # Pointers. In: topk_ids (pairs,), token_lora (tokens,), enabled (slots,), ranks (slots,).
     topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
-    # Out: counts (keys,) pairs per key; keys (pairs,) each pair's key, -1: no delta; slots (pairs,) its place.
+    # Out: counts (keys,) pairs per key; keys (pairs,) each pair's key with its rank above (KEY_BITS), -1: no
+    # delta; slots (pairs,) its place among its key's pairs.
     counts_ptr, keys_ptr, slots_ptr,
     # Sizes.
     num_pairs, num_loras, num_experts,
@@ -59,14 +68,14 @@ def _count_kernel(
 @triton.jit
 def _pairs(offs, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_loras, lora_experts,
            TOPK: tl.constexpr):
-    """The pairs ``offs``: their expert, adapter (0 where unknown) and whether they get a delta."""
+    """The pairs ``offs``: their expert, adapter (0 where unknown), its rank and whether they get a delta."""
     expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
     adapter = tl.load(token_lora_ptr + offs // TOPK, mask=in_range, other=-1).to(tl.int32)
     known = in_range & (adapter >= 0) & (adapter < num_loras)
     adapter = tl.where(known, adapter, 0)
     enabled = tl.load(enabled_ptr + adapter, mask=known, other=0) != 0  # adapter clamped to 0 where unknown
     rank = tl.load(ranks_ptr + adapter, mask=known, other=0)
-    return expert, adapter, known & enabled & (rank > 0) & (expert >= 0) & (expert < lora_experts)
+    return expert, adapter, rank, known & enabled & (rank > 0) & (expert >= 0) & (expert < lora_experts)
 
 
 @triton.jit
@@ -74,11 +83,11 @@ def _count_step(start, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, cou
                 num_pairs, num_loras, num_experts, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     offs = start + tl.arange(0, BLOCK)
     in_range = offs < num_pairs
-    expert, adapter, wanted = _pairs(offs, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_loras,
-                                     num_experts, TOPK)
+    expert, adapter, rank, wanted = _pairs(offs, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+                                           num_loras, num_experts, TOPK)
     key = tl.where(wanted, adapter * num_experts + expert, 0)
     slot = tl.atomic_add(counts_ptr + key, 1, mask=wanted)
-    tl.store(keys_ptr + offs, tl.where(wanted, key, -1), mask=in_range)
+    tl.store(keys_ptr + offs, tl.where(wanted, key | (rank << _KEY_BITS), -1), mask=in_range)
     tl.store(slots_ptr + offs, slot, mask=in_range)
 
 
@@ -117,7 +126,7 @@ def _offsets_steps(counts_ptr, offsets_ptr, total_ptr, sorted_ptr, num_keys, num
 @triton.jit
 def _scatter_kernel(
     # Pointers. In: keys, slots (pairs,), offsets (keys,). Out: sorted (rows,) the pair of each row;
-    # block_key (rows / BLOCK_M,) the key of each block.
+    # block_key (rows / BLOCK_M,) the key of each block (with the rank bits the count stored).
     keys_ptr, slots_ptr, offsets_ptr,
     sorted_ptr, block_key_ptr,
     # Sizes.
@@ -134,12 +143,12 @@ def _scatter_kernel(
 def _scatter_step(start, keys_ptr, slots_ptr, offsets_ptr, sorted_ptr, block_key_ptr, num_pairs,
                   BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     offs = start + tl.arange(0, BLOCK)
-    key = tl.load(keys_ptr + offs, mask=offs < num_pairs, other=-1)
-    wanted = key >= 0
-    key = tl.where(wanted, key, 0)
+    entry = tl.load(keys_ptr + offs, mask=offs < num_pairs, other=-1)
+    wanted = entry >= 0
+    key = tl.where(wanted, entry & _KEY_MASK, 0)
     row = tl.load(offsets_ptr + key, mask=wanted, other=0) + tl.load(slots_ptr + offs, mask=wanted, other=0)
     tl.store(sorted_ptr + row, offs, mask=wanted)
-    tl.store(block_key_ptr + row // BLOCK_M, key, mask=wanted)
+    tl.store(block_key_ptr + row // BLOCK_M, entry, mask=wanted)  # the rank bits travel with the key
 
 
 @triton.jit
@@ -171,8 +180,9 @@ def _route_one_program_kernel(
 @dataclass(frozen=True)
 class Routing:
     """A batch's pairs grouped by virtual expert: ``sorted_ids[row]`` is a pair (``num_pairs``:
-    empty row), ``block_key[block]`` its virtual expert, ``rows_used`` (one int32 on the device) how
-    many rows hold pairs; blocks at or past it exit at once."""
+    empty row), ``block_key[block]`` its virtual expert (the low ``KEY_BITS``; above them, for
+    :func:`route`'s blocks, its adapter's rank), ``rows_used`` (one int32 on the device) how many rows
+    hold pairs; blocks at or past it exit at once."""
 
     sorted_ids: torch.Tensor
     block_key: torch.Tensor
@@ -208,6 +218,7 @@ def route(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: tor
     assert topk_ids.dim() == 2 and token_lora.shape == (tokens,), (topk_ids.shape, token_lora.shape)
     for name, t in (("token_lora", token_lora), ("adapter_enabled", adapter_enabled), ("lora_ranks", lora_ranks)):
         assert t.dtype == torch.int32 and t.is_contiguous() and t.device == topk_ids.device, (name, t.dtype, t.device)
+    assert lora_ranks.numel() * num_experts <= MAX_KEYS, (lora_ranks.numel(), num_experts)
     if torch.compiler.is_compiling():
         sorted_ids, block_key, rows_used = torch.ops.lora_tma_guard.route(topk_ids, token_lora, adapter_enabled,
                                                                            lora_ranks, num_experts, block_m)
@@ -285,8 +296,8 @@ def _count_all_kernel(
     expert are neighbours; routes filtered out (-1) share the last key, ``num_experts * (loras + 1)``."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < num_pairs
-    expert, adapter, wanted = _pairs(offs, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_loras,
-                                     lora_experts, TOPK)
+    expert, adapter, _, wanted = _pairs(offs, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+                                        num_loras, lora_experts, TOPK)
     routed = (expert >= 0) & (expert < num_experts)
     key = tl.where(routed, expert * (num_loras + 1) + tl.where(wanted, adapter + 1, 0), num_experts * (num_loras + 1))
     slot = tl.atomic_add(counts_ptr + key, 1, mask=in_range)
@@ -305,6 +316,7 @@ def route_all(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled:
     for name, t in (("token_lora", token_lora), ("adapter_enabled", adapter_enabled), ("lora_ranks", lora_ranks)):
         assert t.dtype == torch.int32 and t.is_contiguous() and t.device == topk_ids.device, (name, t.dtype, t.device)
     num_pairs, num_loras = tokens * topk, lora_ranks.numel()
+    assert num_experts * (num_loras + 1) + 1 <= MAX_KEYS, (num_experts, num_loras)
     b = _Scratch.of(num_pairs, num_experts * (num_loras + 1) + 1, block_m, topk_ids.device)
     b.counts.zero_()
     _count_all_kernel[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
@@ -330,11 +342,18 @@ def _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M: tl.
 
 
 @triton.jit
+def _unpack(entry, num_experts):
+    """A block entry of :func:`route`: its adapter, expert and the adapter's rank."""
+    key = entry & _KEY_MASK
+    return key // num_experts, key % num_experts, entry >> _KEY_BITS
+
+
+@triton.jit
 def _shrink_kernel(
     # Pointers: x (rows of x, K); A (slots, experts or 1, halves * max_rank, K); t (pairs, halves * max_rank)
-    # float32, out; the routing's sorted (rows,), block_key (blocks,), rows_used (1,); ranks (slots,).
+    # float32, out; the routing's sorted (rows,), block_key (blocks,), rows_used (1,).
     x_ptr, a_ptr, t_ptr,
-    sorted_ptr, block_key_ptr, rows_used_ptr, ranks_ptr,
+    sorted_ptr, block_key_ptr, rows_used_ptr,
     # Sizes.
     num_pairs, K, num_experts, max_rank,
     # Strides.
@@ -351,8 +370,7 @@ def _shrink_kernel(
     key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
     if pid_m * BLOCK_M >= used:
         return
-    adapter, expert = key // num_experts, key % num_experts
-    rank = tl.load(ranks_ptr + adapter)  # adapter < slots: a block's key comes from a known slot
+    adapter, expert, rank = _unpack(key, num_experts)
     r0 = pid_r * BLOCK_R
     if r0 >= rank:
         return  # past this adapter's true rank: nothing to compute
@@ -395,9 +413,9 @@ def _shrink_kernel(
 def _expand_kernel(
     # Pointers: t (pairs, halves * max_rank) float32; B (slots, experts or 1, halves * half_width, max_rank);
     # out (tokens, topk, halves * half_width), added into; weights (pairs,) routed weights (or unused);
-    # the routing's sorted (rows,), block_key (blocks,), rows_used (1,); ranks (slots,).
+    # the routing's sorted (rows,), block_key (blocks,), rows_used (1,).
     t_ptr, b_ptr, out_ptr, weights_ptr,
-    sorted_ptr, block_key_ptr, rows_used_ptr, ranks_ptr,
+    sorted_ptr, block_key_ptr, rows_used_ptr,
     # Sizes.
     num_pairs, half_width, num_experts, max_rank,
     # Strides.
@@ -415,8 +433,7 @@ def _expand_kernel(
     key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
     if pid_m * BLOCK_M >= used:
         return
-    adapter, expert = key // num_experts, key % num_experts
-    rank = tl.load(ranks_ptr + adapter)  # adapter < slots: a block's key comes from a known slot
+    adapter, expert, rank = _unpack(key, num_experts)
     tiles = tl.cdiv(half_width, BLOCK_N)
     groups = tl.cdiv(tiles, N_TILES)
     half = pid_n // groups  # gate (0) or up (1) half of a gated gate-up; always 0 otherwise
@@ -507,6 +524,7 @@ def add_delta(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     assert x.dtype == lora_a.dtype == lora_b.dtype == out.dtype, (x.dtype, lora_a.dtype, lora_b.dtype, out.dtype)
     if num_pairs == 0 or max_rank == 0:
         return
+    assert max_rank <= MAX_RANK, max_rank  # ranks ride above the key bits of the routing's block entries
     config = config or StageConfig()
     if torch.compiler.is_compiling():
         torch.ops.lora_tma_guard.add_delta(out, x, lora_a, lora_b, routing.sorted_ids, routing.block_key,
@@ -527,7 +545,7 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, lora_ranks: 
     alloc = torch.zeros if c.split_k > 1 else torch.empty
     t = alloc(num_pairs, halves * max_rank, dtype=torch.float32, device=x.device)
     _shrink_kernel[(routing.max_blocks, cdiv(max_rank, c.shrink_block_r), c.split_k)](
-        x, lora_a, t, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
+        x, lora_a, t, routing.sorted_ids, routing.block_key, routing.rows_used,
         num_pairs, x.shape[1], routing.num_experts, max_rank,
         x.stride(0), x.stride(1), lora_a.stride(0), _expert_stride(lora_a), lora_a.stride(2), lora_a.stride(3),
         t.stride(0),
@@ -546,7 +564,7 @@ def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Ro
     weights = topk_weights.reshape(-1) if topk_weights is not None else t
     groups = cdiv(cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
     _expand_kernel[(routing.max_blocks, halves * groups)](
-        t, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used, lora_ranks,
+        t, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used,
         routing.num_pairs, half_width, routing.num_experts, max_rank,
         t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
