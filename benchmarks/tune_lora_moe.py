@@ -6,12 +6,13 @@ Per shape (``_bench.SHAPES``), rank set (4 adapters of ranks 8/16/32/64, and all
 shape) and batch size: for each candidate rows-per-block, the routing, then each hook's shrink tiles
 and expand tiles timed alone (CUDA-graph replay, best of 3 x 20), the best of each kept; the
 rows-per-block with the least total wins. Writes ``lora_moe_tiles.json`` (the package's data format,
-``sglang_lora_tma_guard/tuning.py``) and ``tune_lora_moe.md`` under ``--out``; copy the JSON into the
-package to ship it.
+``sglang_lora_tma_guard/tuning.py``: the shipped table with each bucket tuned here replaced) and
+``tune_lora_moe.md`` under ``--out``; copy the JSON into the package to ship it.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -127,6 +128,12 @@ def tune_batch(shape, ranks_name, tokens, weights):
     return key, entry
 
 
+def _place(buckets: list, entry: dict) -> None:
+    """``entry`` in place of the bucket of its pair count, or added where the table has none."""
+    buckets[:] = sorted([b for b in buckets if b["max_pairs"] != entry["max_pairs"]] + [entry],
+                        key=lambda b: b["max_pairs"])
+
+
 def _tiles(t: dict) -> str:
     return (f"shrink r{t['shrink_block_r']} k{t['shrink_block_k']} split {t['split_k']}, "
             f"expand n{t['expand_block_n']} r{t['expand_block_r']} w{t['expand_warps']} x{t.get('expand_n_tiles', 1)}"
@@ -138,13 +145,14 @@ def main(argv=None) -> int:
     out = results_dir(args)
     prepare_sglang()
     gpu = torch.cuda.get_device_name()
-    tiles: dict = {gpu: {}}
+    tiles = copy.deepcopy(tuning._table(None))  # the shipped table, each bucket tuned here replaced
+    tiles.setdefault(gpu, {})
     table = tables.Table(["shape", "ranks", "tokens", "block_m", "gate-up tiles", "down tiles", "LoRA ms (tuned)"],
                          echo=False)
     for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
         t0 = time.perf_counter()
         key, entry = tune_batch(shape, ranks_name, tokens, weights)
-        tiles[gpu].setdefault(key, []).append(entry)
+        _place(tiles[gpu].setdefault(key, []), entry)
         line = table.add(name, ranks_name, tokens, entry["block_m"], _tiles(entry["gate_up"]), _tiles(entry["down"]),
                          f"{entry['ms']:.3f}")
         print(line, f"  # {time.perf_counter() - t0:.1f} s", flush=True)
