@@ -163,17 +163,17 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     slots = lora_path.token_adapters(info, tokens)
     tiles = tuning.plan(tokens * topk, width3, inter, gb.shape[1], ranks.numel(), r)
     routing = lora_moe.route(ids, slots, enabled, ranks, gb.shape[1], tiles.block_m)
-    t_gu = lora_moe.shrink(hidden, ga, routing, ranks, topk=topk, max_rank=r, halves=halves, config=tiles.gate_up)
-    t_dn = lora_moe.shrink(act, da, routing, ranks, topk=topk, max_rank=r, halves=1, config=tiles.down)
+    t_gu = lora_moe.shrink(hidden, ga, routing, topk=topk, max_rank=r, halves=halves, config=tiles.gate_up)
+    t_dn = lora_moe.shrink(act, da, routing, topk=topk, max_rank=r, halves=1, config=tiles.down)
     kernels = {
         "route": lambda: lora_moe.route(ids, slots, enabled, ranks, gb.shape[1], tiles.block_m).sorted_ids,
-        "shrink_gu": lambda: lora_moe.shrink(hidden, ga, routing, ranks, topk=topk, max_rank=r, halves=halves,
+        "shrink_gu": lambda: lora_moe.shrink(hidden, ga, routing, topk=topk, max_rank=r, halves=halves,
                                              config=tiles.gate_up),
-        "expand_gu": lambda: lora_moe.expand(c1, t_gu, gb, routing, ranks, max_rank=r, halves=halves,
+        "expand_gu": lambda: lora_moe.expand(c1, t_gu, gb, routing, max_rank=r, halves=halves,
                                              topk_weights=None, config=tiles.gate_up),
-        "shrink_dn": lambda: lora_moe.shrink(act, da, routing, ranks, topk=topk, max_rank=r, halves=1,
+        "shrink_dn": lambda: lora_moe.shrink(act, da, routing, topk=topk, max_rank=r, halves=1,
                                              config=tiles.down),
-        "expand_dn": lambda: lora_moe.expand(c3, t_dn, db, routing, ranks, max_rank=r, halves=1, topk_weights=w,
+        "expand_dn": lambda: lora_moe.expand(c3, t_dn, db, routing, max_rank=r, halves=1, topk_weights=w,
                                              config=tiles.down),
     }
 

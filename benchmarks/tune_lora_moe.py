@@ -82,15 +82,15 @@ def tune_hook(routing, info, ranks, x, out, a, b, halves, topk, weights):
     r = info.max_lora_rank
     shrinks = {}
     for cfg in shrink_candidates(x.shape[1], r, routing.num_pairs):
-        graph = _try_capture(lambda c=cfg: lora_moe.shrink(x, a, routing, ranks, topk=topk, max_rank=r, halves=halves,
+        graph = _try_capture(lambda c=cfg: lora_moe.shrink(x, a, routing, topk=topk, max_rank=r, halves=halves,
                                                             config=c))
         if graph is not None:
             shrinks[cfg] = graph
     shrink_cfg, shrink_ms = best(shrinks)
-    t = lora_moe.shrink(x, a, routing, ranks, topk=topk, max_rank=r, halves=halves, config=shrink_cfg)
+    t = lora_moe.shrink(x, a, routing, topk=topk, max_rank=r, halves=halves, config=shrink_cfg)
     expands = {}
     for cfg in expand_candidates(r, routing.num_pairs):
-        graph = _try_capture(lambda c=cfg: lora_moe.expand(out, t, b, routing, ranks, max_rank=r, halves=halves,
+        graph = _try_capture(lambda c=cfg: lora_moe.expand(out, t, b, routing, max_rank=r, halves=halves,
                                                             topk_weights=weights, config=c))
         if graph is not None:
             expands[cfg] = graph

@@ -117,7 +117,7 @@ class DownWork:
 
         A, B, C = a["A"], a["B"], a["C"]
         tokens, topk = self.topk_ids.shape
-        t = lora_moe.shrink(A, self.lora_a, self.routing, self.ranks, topk=topk, max_rank=self.max_rank, halves=1,
+        t = lora_moe.shrink(A, self.lora_a, self.routing, topk=topk, max_rank=self.max_rank, halves=1,
                             config=self.shrink_tiles)
         block_m = self.routing.block_m
         blocks = lora_moe.route_all(self.topk_ids, self.token_lora, self.enabled, self.ranks, B.shape[0],

@@ -506,7 +506,7 @@ def _expert_stride(w: torch.Tensor) -> int:
 
 
 def add_delta(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-              routing: Routing, lora_ranks: torch.Tensor, *, max_rank: int, halves: int,
+              routing: Routing, *, max_rank: int, halves: int,
               topk_weights: torch.Tensor | None = None, config: StageConfig | None = None) -> None:
     """``out[t, j] += delta`` for every pair the routing holds, in place.
 
@@ -528,15 +528,15 @@ def add_delta(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     config = config or StageConfig()
     if torch.compiler.is_compiling():
         torch.ops.lora_tma_guard.add_delta(out, x, lora_a, lora_b, routing.sorted_ids, routing.block_key,
-                                           routing.rows_used, lora_ranks, topk_weights, max_rank, halves,
+                                           routing.rows_used, topk_weights, max_rank, halves,
                                            routing.block_m, routing.num_experts, [getattr(config, f) for f in _STAGE_FIELDS])
         return
-    t = shrink(x, lora_a, routing, lora_ranks, topk=topk, max_rank=max_rank, halves=halves, config=config)
-    expand(out, t, lora_b, routing, lora_ranks, max_rank=max_rank, halves=halves, topk_weights=topk_weights,
+    t = shrink(x, lora_a, routing, topk=topk, max_rank=max_rank, halves=halves, config=config)
+    expand(out, t, lora_b, routing, max_rank=max_rank, halves=halves, topk_weights=topk_weights,
            config=config)
 
 
-def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, lora_ranks: torch.Tensor, *, topk: int,
+def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, *, topk: int,
            max_rank: int, halves: int, config: StageConfig) -> torch.Tensor:
     """The first GEMM: each pair's ranks (float32, ``(pairs, halves * max_rank)``; only each
     adapter's true ranks are written)."""
@@ -556,7 +556,7 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, lora_ranks: 
     return t
 
 
-def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Routing, lora_ranks: torch.Tensor, *,
+def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Routing, *,
            max_rank: int, halves: int, topk_weights: torch.Tensor | None, config: StageConfig) -> None:
     """The second GEMM, added into ``out`` (each half from its own ranks)."""
     c = config
@@ -599,14 +599,14 @@ def _(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts, block_m):
 @torch.library.custom_op("lora_tma_guard::add_delta", mutates_args=("out",))
 def _add_delta_op(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                   sorted_ids: torch.Tensor, block_key: torch.Tensor, rows_used: torch.Tensor,
-                  lora_ranks: torch.Tensor, topk_weights: torch.Tensor | None, max_rank: int, halves: int,
+                  topk_weights: torch.Tensor | None, max_rank: int, halves: int,
                   block_m: int, num_experts: int, config: list[int]) -> None:
     routing = Routing(sorted_ids, block_key, rows_used, block_m, out.shape[0] * out.shape[1], num_experts)
-    add_delta(out, x, lora_a, lora_b, routing, lora_ranks, max_rank=max_rank, halves=halves,
+    add_delta(out, x, lora_a, lora_b, routing, max_rank=max_rank, halves=halves,
               topk_weights=topk_weights, config=StageConfig(*config))
 
 
 @_add_delta_op.register_fake
-def _(out, x, lora_a, lora_b, sorted_ids, block_key, rows_used, lora_ranks, topk_weights, max_rank, halves,
+def _(out, x, lora_a, lora_b, sorted_ids, block_key, rows_used, topk_weights, max_rank, halves,
       block_m, num_experts, config):
     return None

@@ -80,6 +80,10 @@ def not_covered(lora_info, hidden_states, topk_ids) -> str | None:
     if slots > ga.shape[0] or lora_info.adapter_enabled.numel() < slots:
         return (f"{slots} adapter slots for LoRA buffers of {ga.shape[0]} "
                 f"and {lora_info.adapter_enabled.numel()} enabled flags")
+    from .lora_moe import MAX_KEYS, MAX_RANK  # a block's routing entry holds its key and rank in 31 bits
+
+    if r > MAX_RANK or slots * experts > MAX_KEYS:
+        return f"rank {r} or {slots} slots x {experts} experts past the routing's {MAX_RANK} / {MAX_KEYS}"
     if topk_ids is None or topk_ids.dim() != 2 or hidden_states.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
         return "routing of an unexpected shape"
     mapping = getattr(lora_info, "token_lora_mapping", None)
@@ -149,7 +153,7 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
             _say_once("a gate-up call whose buffers differ from its batch's")
             return sglang_hooks().after_gate_up(hidden, cache1, topk_weights, topk_ids_now)
         lora_moe.add_delta(cache1, hidden, lora_info.gate_up_lora_a_weights, lora_info.gate_up_lora_b_weights,
-                           routing, ranks, max_rank=r, halves=halves, config=tiles.gate_up)
+                           routing, max_rank=r, halves=halves, config=tiles.gate_up)
         if down_work is not None:
             fused_lora.offer(down_work)  # the down launch that follows may add the down delta itself
 
@@ -161,7 +165,7 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
             _say_once("a down call whose buffers differ from its batch's")
             return sglang_hooks().after_down(activation, cache3, topk_weights, topk_ids_now)
         lora_moe.add_delta(cache3, activation, lora_info.down_lora_a_weights, lora_info.down_lora_b_weights,
-                           routing, ranks, max_rank=r, halves=1, topk_weights=topk_weights, config=tiles.down)
+                           routing, max_rank=r, halves=1, topk_weights=topk_weights, config=tiles.down)
 
     return module.LoRAHooks(after_gate_up=after_gate_up, after_down=after_down)
 

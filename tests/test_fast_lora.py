@@ -263,6 +263,29 @@ def test_a_batch_it_does_not_cover_goes_to_sglangs_hooks_with_one_log_line(runne
     assert len(lines) == 1 and "fully sharded" in lines[0], lines
 
 
+def test_a_rank_or_slot_count_past_what_a_routing_entry_holds_goes_to_sglangs_hooks(runners, monkeypatch):
+    problem, info = make_case("mixed-ranks-top2")
+    assert lora_path.not_covered(info, problem.hidden_states, problem.topk_ids) is None
+    monkeypatch.setattr(lora_moe, "MAX_RANK", int(info.max_lora_rank) - 1)
+    assert "past the routing" in lora_path.not_covered(info, problem.hidden_states, problem.topk_ids)
+    monkeypatch.undo()
+    monkeypatch.setattr(lora_moe, "MAX_KEYS", info.lora_ranks.numel() * info.gate_up_lora_b_weights.shape[1] - 1)
+    assert "past the routing" in lora_path.not_covered(info, problem.hidden_states, problem.topk_ids)
+
+
+def test_each_block_entry_holds_its_virtual_expert_and_its_adapters_rank():
+    """What the grouped GEMMs read in one load (the rank above ``KEY_BITS``): the keys in use, each
+    with its own adapter's rank; no block for the base model's token or the slot of rank 0."""
+    ids = torch.tensor([[0, 3], [2, 3], [1, 0], [3, 2], [3, 1]], dtype=torch.int32)  # 5 tokens, top-2, 4 experts
+    token_lora = torch.tensor([0, 1, -1, 2, 2], dtype=torch.int32)
+    enabled, ranks = torch.tensor([1, 1, 1], dtype=torch.int32), torch.tensor([8, 0, 64], dtype=torch.int32)
+    routing = lora_moe.route(ids, token_lora, enabled, ranks, num_experts=4, block_m=16)
+    entries = routing.block_key[: int(routing.rows_used) // 16].tolist()
+    keys = [e & (lora_moe.MAX_KEYS - 1) for e in entries]
+    assert sorted(keys) == [0 * 4 + 0, 0 * 4 + 3, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3]
+    assert [e >> lora_moe.KEY_BITS for e in entries] == [int(ranks[k // 4]) for k in keys]
+
+
 @pytest.mark.slow
 def test_a_virtual_experts_batch_it_does_not_cover_goes_to_sglangs_default_path(runners, monkeypatch):
     """Not to SGLang's virtual-experts path, which is wrong on this gated MoE."""
