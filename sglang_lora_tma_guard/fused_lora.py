@@ -104,6 +104,10 @@ class DownWork:
             return "LoRA weights in another dtype than the activations"
         if self.max_rank > MAX_RANK:
             return f"LoRA rank {self.max_rank} (the fused epilogue takes up to {MAX_RANK})"
+        from .lora_moe import MAX_KEYS
+
+        if B.shape[0] * (self.ranks.numel() + 1) + 1 > MAX_KEYS:  # route_all's (expert, adapter) keys
+            return f"{B.shape[0]} experts x {self.ranks.numel() + 1} adapter groups past the routing's {MAX_KEYS} keys"
         return None
 
     def run(self, a: dict) -> None:

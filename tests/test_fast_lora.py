@@ -235,6 +235,26 @@ def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, r
     assert tiny_moe.rel_err(fused, expected_moe(problem, None)) > 0.05  # the adapters do change the output
 
 
+def test_a_fused_down_launch_past_the_routings_keys_goes_to_sglang_and_the_hook(sglang_plugins, runners,
+                                                                                monkeypatch):
+    """More (expert, adapter) keys than a routing entry holds: the launch is SGLang's, the delta the hook's."""
+    from sglang_lora_tma_guard import fused_lora
+
+    problem, info = make_case("mixed-ranks-top2", seed=1)
+    taken = []
+    run = fused_lora.DownWork.run
+    monkeypatch.setattr(fused_lora.DownWork, "run", lambda self, a: taken.append(a["C"].shape) or run(self, a))
+    monkeypatch.setattr(lora_moe, "MAX_KEYS", problem.w2.shape[0] * (info.lora_ranks.numel() + 1))
+    sglang_plugins("fast")
+    fused_lora.activate()
+    try:
+        output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    finally:
+        fused_lora.deactivate()
+    assert taken == []
+    assert tiny_moe.rel_err(output, expected_moe(problem, ReferenceLoRAHooks(info))) < 1e-2
+
+
 def test_guard_corrects_sglangs_virtual_experts_path(sglang_plugins, runners):
     """``--lora-use-virtual-experts`` on a gated MoE: wrong without the guard, right with ``=1``."""
     problem, info = make_case("mixed-ranks-top2", seed=2)
