@@ -4,8 +4,9 @@
 
 Per shape (``_bench.SHAPES``), rank set (4 adapters of ranks 8/16/32/64, and all 16 on the GLM-5.1
 shape) and batch size: for each candidate rows-per-block, the routing, then each hook's shrink tiles
-and expand tiles timed alone (CUDA-graph replay, best of 3 x 20), the best of each kept; the
-rows-per-block with the least total wins. Writes ``lora_moe_tiles.json`` (the package's data format,
+and expand tiles timed alone (CUDA-graph replay, best of 3 x 20), the best of each kept, then the
+whole hook with those two against both GEMMs in one launch (``StageConfig.one_kernel``, up to 8192
+pairs); the rows-per-block with the least total wins. Writes ``lora_moe_tiles.json`` (the package's data format,
 ``sglang_lora_tma_guard/tuning.py``: the shipped table with each bucket tuned here replaced) and
 ``tune_lora_moe.md`` under ``--out``; copy the JSON into the package to ship it.
 """
@@ -55,6 +56,20 @@ def expand_candidates(max_rank: int, num_pairs: int):
                                   expand_n_tiles=n_tiles, expand_stages=stages)
 
 
+ONE_KERNEL_PAIRS = 8192
+"""Up to this many pairs (1024 tokens at top-8) the tuner also tries both GEMMs of a hook in one launch."""
+
+
+def one_kernel_candidates(k: int, max_rank: int, num_pairs: int):
+    if num_pairs > ONE_KERNEL_PAIRS or max_rank > 64:
+        return
+    for block_n in (64, 128):
+        for n_tiles in (1, 4, 16):
+            for warps in (4, 8):
+                yield replace(BASE, one_kernel=True, shrink_block_k=128 if k >= 512 else 64, expand_block_n=block_n,
+                              expand_n_tiles=n_tiles, expand_warps=warps)
+
+
 def block_m_candidates(num_pairs: int):
     return (16,) if num_pairs <= 512 else (16, 32) if num_pairs <= 8192 else (16, 32, 64)
 
@@ -78,7 +93,8 @@ def _try_capture(fn):
 
 
 def tune_hook(routing, info, ranks, x, out, a, b, halves, topk, weights):
-    """(best StageConfig, ms) for one hook: the shrink tiles, then the expand tiles on the best shrink."""
+    """(best StageConfig, ms) for one hook: the shrink tiles, then the expand tiles on the best shrink,
+    then that pair (the whole hook, two launches) against the one-kernel candidates (one launch)."""
     r = info.max_lora_rank
     shrinks = {}
     for cfg in shrink_candidates(x.shape[1], r, routing.num_pairs):
@@ -86,7 +102,7 @@ def tune_hook(routing, info, ranks, x, out, a, b, halves, topk, weights):
                                                             config=c))
         if graph is not None:
             shrinks[cfg] = graph
-    shrink_cfg, shrink_ms = best(shrinks)
+    shrink_cfg, _ = best(shrinks)
     t = lora_moe.shrink(x, a, routing, topk=topk, max_rank=r, halves=halves, config=shrink_cfg)
     expands = {}
     for cfg in expand_candidates(r, routing.num_pairs):
@@ -94,9 +110,17 @@ def tune_hook(routing, info, ranks, x, out, a, b, halves, topk, weights):
                                                             topk_weights=weights, config=c))
         if graph is not None:
             expands[cfg] = graph
-    expand_cfg, expand_ms = best(expands)
+    expand_cfg, _ = best(expands)
     tiles = replace(shrink_cfg, **{k: v for k, v in asdict(expand_cfg).items() if k.startswith("expand")})
-    return tiles, shrink_ms + expand_ms
+    # The two launches against one, timed side by side: a one-kernel hook wins only where it is faster.
+    hooks = {tiles: capture(lambda: lora_moe.add_delta(out, x, a, b, routing, max_rank=r, halves=halves,
+                                                       topk_weights=weights, config=tiles))[0]}
+    for cfg in one_kernel_candidates(x.shape[1], r, routing.num_pairs):
+        graph = _try_capture(lambda c=cfg: lora_moe.add_delta(out, x, a, b, routing, max_rank=r, halves=halves,
+                                                               topk_weights=weights, config=c))
+        if graph is not None:
+            hooks[cfg] = graph
+    return best(hooks)
 
 
 def tune_batch(shape, ranks_name, tokens, weights):
@@ -135,6 +159,9 @@ def _place(buckets: list, entry: dict) -> None:
 
 
 def _tiles(t: dict) -> str:
+    if t.get("one_kernel"):
+        return (f"one kernel k{t['shrink_block_k']} n{t['expand_block_n']} w{t['expand_warps']} "
+                f"x{t['expand_n_tiles']}")
     return (f"shrink r{t['shrink_block_r']} k{t['shrink_block_k']} split {t['split_k']}, "
             f"expand n{t['expand_block_n']} r{t['expand_block_r']} w{t['expand_warps']} x{t.get('expand_n_tiles', 1)}"
             f" s{t['expand_stages']}")

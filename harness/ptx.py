@@ -91,6 +91,18 @@ def shrink(**meta) -> dict:
                     constexprs=constexprs, unit=("stride_xk", "stride_ak"), num_stages=3)
 
 
+def hook(**meta) -> dict:
+    """Both GEMMs of the gate-up hook in one kernel (``StageConfig.one_kernel``), a decode tile of
+    Qwen3-30B-A3B tp 1 (a half's 768 columns in 6 tiles of 128 a program)."""
+    from sglang_lora_tma_guard import lora_moe
+
+    constexprs = dict(PAIRS_PER_X=8, TOPK=8, MUL_ROUTED_WEIGHT=False, BLOCK_M=16, BLOCK_R=64, BLOCK_K=128,
+                      BLOCK_N=128, N_TILES=6, RANK_GRANULE=8)
+    constexprs.update(meta)
+    return compiled(lora_moe._hook_kernel, types={"weights_ptr": "*fp32", **dict.fromkeys(_INT32, "*i32")},
+                    constexprs=constexprs, unit=("stride_xk", "stride_ak", "stride_br", "stride_on"), num_stages=3)
+
+
 def fused_down(**meta) -> dict:
     """This package's down GEMM with the LoRA expand in its epilogue (``fused_lora``), bf16 weights by plain
     loads, blocks of one expert and one adapter (``KEYED``) unless ``meta`` says otherwise."""
@@ -114,6 +126,7 @@ CONFIGURATIONS = {
     "expand, rank tiles of 16, exact rank masks": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1,
                                                                  RANK_GRANULE=1, num_warps=4),
     "shrink": lambda: shrink(),
+    "one kernel a hook": lambda: hook(),
     "fused down GEMM, blocks of one adapter": lambda: fused_down(),
     "fused down GEMM, SGLang's blocks": lambda: fused_down(KEYED=False),
     "fused down GEMM, blocks of one adapter, exact rank masks": lambda: fused_down(RANK_GRANULE=1),

@@ -480,6 +480,72 @@ def _expand_kernel(
         tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
 
 
+@triton.jit
+def _hook_kernel(
+    # Pointers: x (rows of x, K); A (slots, experts or 1, halves * max_rank, K); B (slots, experts or 1,
+    # halves * half_width, max_rank); out (tokens, topk, halves * half_width), added into; weights (pairs,)
+    # routed weights (or unused); the routing's sorted (rows,), block_key (blocks,), rows_used (1,).
+    x_ptr, a_ptr, b_ptr, out_ptr, weights_ptr,
+    sorted_ptr, block_key_ptr, rows_used_ptr,
+    # Sizes.
+    num_pairs, K, half_width, num_experts, max_rank,
+    # Strides.
+    stride_xm, stride_xk, stride_al, stride_ae, stride_ar, stride_ak,
+    stride_bl, stride_be, stride_bn, stride_br, stride_ot, stride_ok, stride_on,
+    # Meta-parameters.
+    PAIRS_PER_X: tl.constexpr, TOPK: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_TILES: tl.constexpr, RANK_GRANULE: tl.constexpr,
+):
+    """Both GEMMs of one hook in one program: the block's ranks of its half (``BLOCK_R >= max_rank``)
+    over all of K, kept in registers, then added through ``N_TILES`` column tiles of that half; grid
+    (blocks, halves * column-tile groups). One launch a hook instead of two, and no float32 round
+    trip of the ranks; each column group computes its block's ranks again."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
+    if pid_m * BLOCK_M >= used:
+        return
+    adapter, expert, rank = _unpack(key, num_experts)
+    tiles = tl.cdiv(half_width, BLOCK_N)
+    groups = tl.cdiv(tiles, N_TILES)
+    half = pid_n // groups
+
+    pair_ok = pairs < num_pairs
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    r_load = offs_r < _granule(rank, RANK_GRANULE)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pairs // PAIRS_PER_X)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = (a_ptr + adapter.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+              + (half * max_rank + offs_r)[None, :] * stride_ar + offs_k[:, None] * stride_ak)
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        t += tl.dot(x, tl.load(a_ptrs, mask=k_ok[:, None] & r_load[None, :], other=0.0))
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+    t = tl.where(r_ok[None, :], t, 0.0).to(b_ptr.dtype.element_ty)  # as the expand reads the shrink's ranks
+
+    if MUL_ROUTED_WEIGHT:
+        routed = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+    b_base = b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+    o_rows = out_ptr + (pairs // TOPK)[:, None] * stride_ot + (pairs % TOPK)[:, None] * stride_ok
+    for j in range(N_TILES):
+        tile = (pid_n % groups) * N_TILES + j
+        offs_n = half * half_width + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < (half + 1) * half_width) & (tile < tiles)
+        o_ptrs = o_rows + offs_n[None, :] * stride_on
+        o_mask = pair_ok[:, None] & n_ok[None, :]
+        old = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                    mask=r_load[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(t, tl.where(r_ok[:, None], b, 0.0))
+        if MUL_ROUTED_WEIGHT:
+            acc *= routed[:, None]
+        tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """Tiles of one hook's two GEMMs (``BLOCK_M`` is the routing's)."""
@@ -495,6 +561,9 @@ class StageConfig:
     expand_stages: int = 2
     expand_n_tiles: int = 1
     """Column tiles each expand program adds (the block's routing read once for all of them)."""
+    one_kernel: bool = False
+    """Both GEMMs in one launch (:func:`_hook_kernel`: the shrink's ``shrink_block_k`` and
+    ``shrink_stages``, the expand's column tiles and warps, every rank in one tile)."""
 
 
 _STAGE_FIELDS = tuple(f.name for f in fields(StageConfig))
@@ -529,11 +598,36 @@ def add_delta(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     if torch.compiler.is_compiling():
         torch.ops.lora_tma_guard.add_delta(out, x, lora_a, lora_b, routing.sorted_ids, routing.block_key,
                                            routing.rows_used, topk_weights, max_rank, halves,
-                                           routing.block_m, routing.num_experts, [getattr(config, f) for f in _STAGE_FIELDS])
+                                           routing.block_m, routing.num_experts, [int(getattr(config, f)) for f in _STAGE_FIELDS])
+        return
+    if config.one_kernel:
+        one_kernel(out, x, lora_a, lora_b, routing, max_rank=max_rank, halves=halves, topk_weights=topk_weights,
+                   config=config)
         return
     t = shrink(x, lora_a, routing, topk=topk, max_rank=max_rank, halves=halves, config=config)
     expand(out, t, lora_b, routing, max_rank=max_rank, halves=halves, topk_weights=topk_weights,
            config=config)
+
+
+def one_kernel(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, routing: Routing, *,
+               max_rank: int, halves: int, topk_weights: torch.Tensor | None, config: StageConfig) -> None:
+    """Both GEMMs of :func:`add_delta` in one launch (``config.one_kernel``)."""
+    c, (_, topk, width) = config, out.shape
+    half_width = width // halves
+    weights = topk_weights.reshape(-1) if topk_weights is not None else x
+    groups = cdiv(cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
+    _hook_kernel[(routing.max_blocks, halves * groups)](
+        x, lora_a, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used,
+        routing.num_pairs, x.shape[1], half_width, routing.num_experts, max_rank,
+        x.stride(0), x.stride(1), lora_a.stride(0), _expert_stride(lora_a), lora_a.stride(2), lora_a.stride(3),
+        lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        PAIRS_PER_X=topk if x.shape[0] != routing.num_pairs else 1, TOPK=topk,
+        MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=routing.block_m,
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_K=c.shrink_block_k, BLOCK_N=c.expand_block_n,
+        N_TILES=c.expand_n_tiles, RANK_GRANULE=rank_granule(max_rank),
+        num_warps=c.expand_warps, num_stages=c.shrink_stages,
+    )
 
 
 def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, *, topk: int,

@@ -186,6 +186,27 @@ def test_tiles_and_routing_paths_agree_with_the_reference(runners, block_m, conf
     assert max(errors(fast, reference)) < TOLERANCE
 
 
+ONE_KERNEL = lora_moe.StageConfig(one_kernel=True, shrink_block_k=64, expand_block_n=32, expand_n_tiles=3)
+
+
+@pytest.mark.parametrize("name", case_params())
+def test_one_kernel_hooks_add_each_adapters_delta(runners, name, monkeypatch):
+    """Both GEMMs of a hook in one launch (``StageConfig.one_kernel``): every case the two-launch hooks
+    meet, within the same tolerance of the float32 reference. Tiles of 32 columns, 3 a program, and K
+    tiles of 64 leave the last column group and the last K tile partial at the odd widths."""
+    problem, info = make_case(name, seed=4)
+    reference = run_hooks(ReferenceLoRAHooks(info), problem, info)
+    plan = tuning.Plan(16, ONE_KERNEL, ONE_KERNEL)
+    monkeypatch.setattr(tuning, "plan", lambda *args, **kwargs: plan)
+    launches = []
+    launch = lora_moe.one_kernel
+    monkeypatch.setattr(lora_moe, "one_kernel", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    fast = run_hooks(lora_path.build_hooks(sglang_build(runners), problem.hidden_states, info, problem.topk_ids),
+                     problem, info)
+    assert len(launches) == 2  # one a hook
+    assert max(errors(fast, reference)) < TOLERANCE, errors(fast, reference)
+
+
 def expected_moe(problem, hooks):
     """The plain PyTorch reference MoE with ``hooks`` (None: no adapter at all)."""
     args = tiny_moe.call_arguments(problem, hooks or SimpleNamespace(after_gate_up=None, after_down=None))
@@ -372,12 +393,19 @@ def test_every_routing_buffer_starts_on_16_bytes_whatever_the_batch(num_pairs):
     assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:]))  # no two overlap
 
 
-def test_dynamo_compiles_the_fast_hooks_in_one_graph(runners, monkeypatch):
+@pytest.mark.parametrize("one_kernel", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["two-launches", "one-kernel"])
+def test_dynamo_compiles_the_fast_hooks_in_one_graph(runners, monkeypatch, one_kernel):
     """A caller compiled with ``fullgraph=True`` builds and runs the fast hooks (the builder a plain
     function on the module, the routing and both GEMMs custom ops) and adds what an eager caller adds."""
     import torch._dynamo
 
     problem, info = make_case("mixed-ranks-top2")
+    if one_kernel:
+        plan = tuning.Plan(16, ONE_KERNEL, ONE_KERNEL)
+        monkeypatch.setattr(tuning, "_plan", lambda *args: plan)  # behind plan's assume_constant_result
+        launches, launch = [], lora_moe.one_kernel
+        monkeypatch.setattr(lora_moe, "one_kernel", lambda *a, **k: launches.append(1) or launch(*a, **k))
     calls, fast_builder = [], lora_path.build_hooks
     monkeypatch.setattr(lora_path, "build_hooks", lambda *args: calls.append(args) or fast_builder(*args))
     tokens, topk = problem.topk_ids.shape
@@ -406,6 +434,8 @@ def test_dynamo_compiles_the_fast_hooks_in_one_graph(runners, monkeypatch):
     assert not torch.equal(eager[0], c1) and not torch.equal(eager[1], c3), "the hooks added nothing"
     for ours, theirs in zip(compiled, eager):
         assert torch.equal(ours, theirs)  # the same kernels on the same inputs: bit-identical
+    if one_kernel:
+        assert len(launches) == 4  # one a hook, eager and compiled
 
 
 @pytest.mark.parametrize("value, mode", [("fast", "fast"), pytest.param("1", "correct", marks=pytest.mark.slow),

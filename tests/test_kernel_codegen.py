@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-VECTOR = ("expand, one rank tile", "expand, rank tiles of 16", "shrink", "fused down GEMM, blocks of one adapter",
-          "fused down GEMM, SGLang's blocks")
+VECTOR = ("expand, one rank tile", "expand, rank tiles of 16", "shrink", "one kernel a hook",
+          "fused down GEMM, blocks of one adapter", "fused down GEMM, SGLang's blocks")
 CONTROLS = ("expand, one rank tile, exact rank masks", "expand, rank tiles of 16, exact rank masks",
             "fused down GEMM, blocks of one adapter, exact rank masks")
 
