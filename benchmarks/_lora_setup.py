@@ -25,6 +25,11 @@ def rank_set(name: str) -> tuple[int, ...]:
     return RANK_SETS.get(name) or (int(name.removeprefix("r")),) * 4
 
 
+def shape_rank_sets(name: str) -> tuple[str, ...]:
+    """The rank sets a shape is measured at: mixed, and on the GLM-5.1 shape all 16 too."""
+    return ("mixed", "r16") if name == "glm51-fp8-tp8" else ("mixed",)
+
+
 def batches(shape_names, token_counts, rank_sets=None):
     """(shape name, shape, rank set, tokens, MoE weights) for every batch the LoRA MoE scripts run: each
     shape with the mixed ranks, the GLM-5.1 shape also with all ranks 16 (or each shape with ``rank_sets``);
@@ -35,7 +40,7 @@ def batches(shape_names, token_counts, rank_sets=None):
     for name in shape_names:
         shape = SHAPES[name]
         weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
-        for ranks_name in rank_sets or (("mixed", "r16") if name == "glm51-fp8-tp8" else ("mixed",)):
+        for ranks_name in rank_sets or shape_rank_sets(name):
             for tokens in token_counts:
                 yield name, shape, ranks_name, tokens, weights
         del weights

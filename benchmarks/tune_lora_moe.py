@@ -8,21 +8,26 @@ and expand tiles timed alone (CUDA-graph replay, best of 3 x 20), the best of ea
 whole hook with those two against both GEMMs in one launch (``StageConfig.one_kernel``, up to 8192
 pairs); the rows-per-block with the least total wins. Writes ``lora_moe_tiles.json`` (the package's data format,
 ``sglang_lora_tma_guard/tuning.py``: the shipped table with each bucket tuned here replaced) and
-``tune_lora_moe.md`` under ``--out``; copy the JSON into the package to ship it.
+``tune_lora_moe.md`` under ``--out``; copy the JSON into the package to ship it. Before the timing,
+``--compile-workers`` processes compile every candidate of every batch into Triton's cache (a cold
+tuning spent most of its time compiling one kernel at a time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
+import os
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from benchmarks._bench import benchmark_parser, capture, prepare_sglang, replay_times, results_dir
-from benchmarks._lora_setup import batches, lora_info
+from benchmarks._lora_setup import batches, lora_info, shape_rank_sets
 from harness import tables, tiny_moe
 from sglang_lora_tma_guard import lora_moe, tuning
 from sglang_lora_tma_guard.lora_path import token_adapters
@@ -92,64 +97,159 @@ def _try_capture(fn):
     return capture(fn)[0]
 
 
-def tune_hook(routing, info, ranks, x, out, a, b, halves, topk, weights):
+@dataclass
+class Hook:
+    """One hook's operands: ``x`` into ``out`` through A and B (``halves``: 2 for a gated gate-up)."""
+
+    x: torch.Tensor
+    out: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    halves: int
+    topk: int
+    rank: int
+    weights: torch.Tensor | None
+
+
+@dataclass
+class Batch:
+    """One tuned batch: its routing inputs and both hooks."""
+
+    topk_ids: torch.Tensor
+    adapters: torch.Tensor
+    enabled: torch.Tensor
+    ranks: torch.Tensor
+    experts: int
+    key: str
+    gate_up: Hook
+    down: Hook
+
+    @classmethod
+    def make(cls, shape, ranks_name, tokens, weights, device="cuda", dtype=torch.bfloat16) -> Batch:
+        problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device=device,
+                                        dtype=dtype, weights=weights)
+        info = lora_info(problem, ranks_name, seed=tokens)
+        tok, topk = problem.topk_ids.shape
+        hidden, r = problem.hidden_states, info.max_lora_rank
+        like = dict(dtype=hidden.dtype, device=device)
+        cache1 = torch.zeros(tok, topk, info.gate_up_lora_b_weights.shape[2], **like)
+        act = torch.randn(tok * topk, info.down_lora_a_weights.shape[3], **like)
+        cache3 = torch.zeros(tok, topk, hidden.shape[1], **like)
+        experts = info.gate_up_lora_b_weights.shape[1]
+        return cls(problem.topk_ids, token_adapters(info, tok), info.adapter_enabled, info.lora_ranks, experts,
+                   tuning.shape_key(hidden.shape[1], act.shape[1], experts, r),
+                   Hook(hidden, cache1, info.gate_up_lora_a_weights, info.gate_up_lora_b_weights, 2, topk, r, None),
+                   Hook(act, cache3, info.down_lora_a_weights, info.down_lora_b_weights, 1, topk, r,
+                        problem.topk_weights))
+
+    @property
+    def num_pairs(self) -> int:
+        return self.topk_ids.numel()
+
+    def route(self, block_m: int):
+        return lora_moe.route(self.topk_ids, self.adapters, self.enabled, self.ranks, self.experts, block_m)
+
+    def launches(self):
+        """Every launch the tuner times for this batch (each compiles a kernel variant), for the warm-up."""
+        for block_m in block_m_candidates(self.num_pairs):
+            yield functools.partial(self.route, block_m)
+            routing = self.route(block_m)
+            for h in (self.gate_up, self.down):
+                t = torch.zeros(self.num_pairs, h.halves * h.rank, dtype=torch.float32, device=h.x.device)
+                for table in (shrink_launches(h, routing), expand_launches(h, routing, t), one_kernel_launches(h, routing)):
+                    yield from table.values()
+
+
+def shrink_launches(h: Hook, routing) -> dict:
+    return {cfg: functools.partial(lora_moe.shrink, h.x, h.a, routing, topk=h.topk, max_rank=h.rank,
+                                   halves=h.halves, config=cfg)
+            for cfg in shrink_candidates(h.x.shape[1], h.rank, routing.num_pairs)}
+
+
+def expand_launches(h: Hook, routing, t) -> dict:
+    return {cfg: functools.partial(lora_moe.expand, h.out, t, h.b, routing, max_rank=h.rank, halves=h.halves,
+                                   topk_weights=h.weights, config=cfg)
+            for cfg in expand_candidates(h.rank, routing.num_pairs)}
+
+
+def hook_launch(h: Hook, routing, cfg):
+    return functools.partial(lora_moe.add_delta, h.out, h.x, h.a, h.b, routing, max_rank=h.rank, halves=h.halves,
+                             topk_weights=h.weights, config=cfg)
+
+
+def one_kernel_launches(h: Hook, routing) -> dict:
+    return {cfg: hook_launch(h, routing, cfg) for cfg in one_kernel_candidates(h.x.shape[1], h.rank, routing.num_pairs)}
+
+
+def captured(launches: dict) -> dict:
+    return {cfg: g for cfg, fn in launches.items() if (g := _try_capture(fn)) is not None}
+
+
+def tune_hook(h: Hook, routing):
     """(best StageConfig, ms) for one hook: the shrink tiles, then the expand tiles on the best shrink,
     then that pair (the whole hook, two launches) against the one-kernel candidates (one launch)."""
-    r = info.max_lora_rank
-    shrinks = {}
-    for cfg in shrink_candidates(x.shape[1], r, routing.num_pairs):
-        graph = _try_capture(lambda c=cfg: lora_moe.shrink(x, a, routing, topk=topk, max_rank=r, halves=halves,
-                                                            config=c))
-        if graph is not None:
-            shrinks[cfg] = graph
-    shrink_cfg, _ = best(shrinks)
-    t = lora_moe.shrink(x, a, routing, topk=topk, max_rank=r, halves=halves, config=shrink_cfg)
-    expands = {}
-    for cfg in expand_candidates(r, routing.num_pairs):
-        graph = _try_capture(lambda c=cfg: lora_moe.expand(out, t, b, routing, max_rank=r, halves=halves,
-                                                            topk_weights=weights, config=c))
-        if graph is not None:
-            expands[cfg] = graph
-    expand_cfg, _ = best(expands)
+    shrink_cfg, _ = best(captured(shrink_launches(h, routing)))
+    t = shrink_launches(h, routing)[shrink_cfg]()
+    expand_cfg, _ = best(captured(expand_launches(h, routing, t)))
     tiles = replace(shrink_cfg, **{k: v for k, v in asdict(expand_cfg).items() if k.startswith("expand")})
     # The two launches against one, timed side by side: a one-kernel hook wins only where it is faster.
-    hooks = {tiles: capture(lambda: lora_moe.add_delta(out, x, a, b, routing, max_rank=r, halves=halves,
-                                                       topk_weights=weights, config=tiles))[0]}
-    for cfg in one_kernel_candidates(x.shape[1], r, routing.num_pairs):
-        graph = _try_capture(lambda c=cfg: lora_moe.add_delta(out, x, a, b, routing, max_rank=r, halves=halves,
-                                                               topk_weights=weights, config=c))
-        if graph is not None:
-            hooks[cfg] = graph
-    return best(hooks)
+    return best({tiles: capture(hook_launch(h, routing, tiles))[0], **captured(one_kernel_launches(h, routing))})
 
 
 def tune_batch(shape, ranks_name, tokens, weights):
-    problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
-                                    dtype=torch.bfloat16, weights=weights)
-    info = lora_info(problem, ranks_name, seed=tokens)
-    topk_ids, (tok, topk) = problem.topk_ids, problem.topk_ids.shape
-    ranks, enabled = info.lora_ranks, info.adapter_enabled
-    experts, halves = info.gate_up_lora_b_weights.shape[1], 2
-    adapters = token_adapters(info, tok)
-    hidden = problem.hidden_states
-    cache1 = torch.zeros(tok, topk, info.gate_up_lora_b_weights.shape[2], dtype=hidden.dtype, device="cuda")
-    act = torch.randn(tok * topk, info.down_lora_a_weights.shape[3], dtype=hidden.dtype, device="cuda")
-    cache3 = torch.zeros(tok, topk, hidden.shape[1], dtype=hidden.dtype, device="cuda")
+    b = Batch.make(shape, ranks_name, tokens, weights)
     results = []
-    for block_m in block_m_candidates(tok * topk):
-        routing = lora_moe.route(topk_ids, adapters, enabled, ranks, experts, block_m)
-        route_graph, _ = capture(lambda bm=block_m: lora_moe.route(topk_ids, adapters, enabled, ranks, experts, bm))
-        route_ms = replay_times({"r": route_graph}, replays=20, repeats=3)["r"]
-        gate_up, gate_up_ms = tune_hook(routing, info, ranks, hidden, cache1, info.gate_up_lora_a_weights,
-                                        info.gate_up_lora_b_weights, halves, topk, None)
-        down, down_ms = tune_hook(routing, info, ranks, act, cache3, info.down_lora_a_weights,
-                                  info.down_lora_b_weights, 1, topk, problem.topk_weights)
+    for block_m in block_m_candidates(b.num_pairs):
+        routing = b.route(block_m)
+        route_ms = replay_times({"r": capture(functools.partial(b.route, block_m))[0]}, replays=20, repeats=3)["r"]
+        gate_up, gate_up_ms = tune_hook(b.gate_up, routing)
+        down, down_ms = tune_hook(b.down, routing)
         results.append((route_ms + gate_up_ms + down_ms, block_m, gate_up, down, route_ms))
     total, block_m, gate_up, down, route_ms = min(results, key=lambda item: item[0])
-    key = tuning.shape_key(hidden.shape[1], act.shape[1], experts, info.max_lora_rank)
-    entry = {"max_pairs": tok * topk, "block_m": block_m, "gate_up": asdict(gate_up), "down": asdict(down),
+    entry = {"max_pairs": b.num_pairs, "block_m": block_m, "gate_up": asdict(gate_up), "down": asdict(down),
              "ms": round(total, 4), "route_ms": round(route_ms, 4)}
-    return key, entry
+    return b.key, entry
+
+
+def warm(shape_name: str, ranks_name: str, tokens: int, part: int, parts: int) -> int:
+    """In a worker process: compile every ``parts``-th launch of a batch, from the ``part``-th, into
+    Triton's on-disk cache, where the tuning process then finds it. Returns the launches compiled."""
+    from triton.runtime.errors import OutOfResources
+
+    from benchmarks._bench import SHAPES
+
+    try:
+        prepare_sglang()
+        shape = SHAPES[shape_name]
+        weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
+        launches = list(Batch.make(shape, ranks_name, tokens, weights).launches())[part::parts]
+        for launch in launches:
+            with contextlib.suppress(OutOfResources):
+                launch()
+        torch.cuda.synchronize()
+    except BaseException as error:  # an exit too: a pool waits forever for a worker that left
+        raise RuntimeError(f"{shape_name} {ranks_name} {tokens}: {type(error).__name__}: {error}") from None
+    return len(launches)
+
+
+def warm_all(jobs: list[tuple[str, str, int]], workers: int, timeout_s: float) -> None:
+    """Every batch's launches compiled by ``workers`` processes at once (Triton compiles one kernel at a
+    time in a process, and a cold tuning spent most of its time compiling). On any failure, or past
+    ``timeout_s``, the workers are stopped and the tuning compiles what is missing itself."""
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    try:
+        done = pool.starmap_async(warm, [(*job, part, workers) for job in jobs for part in range(workers)])
+        print(f"# {sum(done.get(timeout_s))} launches compiled by {workers} processes in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    except Exception as error:
+        print(f"# warm-up stopped after {time.perf_counter() - t0:.1f} s ({type(error).__name__}: {error}); "
+              f"the tuning compiles the rest", flush=True)
+    finally:
+        pool.terminate()
+        pool.join()
 
 
 def _place(buckets: list, entry: dict) -> None:
@@ -168,7 +268,11 @@ def _tiles(t: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = benchmark_parser(__doc__, TOKENS).parse_args(argv)
+    parser = benchmark_parser(__doc__, TOKENS)
+    parser.add_argument("--compile-workers", type=int, default=min(12, max(0, (os.cpu_count() or 1) - 2)),
+                        help="processes that compile every candidate before the timing starts (0 or 1: none)")
+    parser.add_argument("--compile-timeout", type=float, default=240, help="seconds the warm-up may take")
+    args = parser.parse_args(argv)
     out = results_dir(args)
     prepare_sglang()
     gpu = torch.cuda.get_device_name()
@@ -176,6 +280,10 @@ def main(argv=None) -> int:
     tiles.setdefault(gpu, {})
     table = tables.Table(["shape", "ranks", "tokens", "block_m", "gate-up tiles", "down tiles", "LoRA ms (tuned)"],
                          echo=False)
+    if args.compile_workers > 1:
+        jobs = [(name, ranks_name, tokens) for name in args.shapes for ranks_name in shape_rank_sets(name)
+                for tokens in args.tokens]
+        warm_all(jobs, args.compile_workers, args.compile_timeout)
     for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
         t0 = time.perf_counter()
         key, entry = tune_batch(shape, ranks_name, tokens, weights)

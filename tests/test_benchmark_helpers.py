@@ -211,6 +211,40 @@ def test_the_hooks_host_time_is_timed_with_the_launches_left_out_and_put_back(ca
     assert all(float(cell) > 0 for row in rows for cell in row.split("|")[3:7])
 
 
+@pytest.mark.slow  # about 10 s on CPU: 24 one-kernel hooks through the interpreter
+def test_each_one_kernel_candidate_of_the_tuner_adds_the_two_launch_hooks_delta(fm):
+    """The tuner's batch set-up on the CPU (its tensors and routing as on the H200) and each one-kernel
+    tile it would time, against the two-launch hook of the default tiles: the same delta within two fp16
+    steps of the output (both round the same float32 ranks to fp16 before the expand)."""
+    from benchmarks import tune_lora_moe as tune
+    from harness import real_lora, tiny_moe
+
+    real_lora.enable_cpu_lora_ops()
+    weights = tiny_moe.make_weights(8, 64, 40, seed=0, device="cpu")
+    batch = tune.Batch.make(dict(E=8, N=40, K=64, topk=2), "mixed", 6, weights, device="cpu", dtype=torch.float16)
+    routing = batch.route(16)
+    for hook in (batch.gate_up, batch.down):
+        hook.out.zero_()
+        tune.hook_launch(hook, routing, tune.BASE)()
+        expected, candidates = hook.out.float().clone(), tune.one_kernel_launches(hook, routing)
+        assert len(candidates) == 12 and expected.abs().max() > 0.05
+        for config, launch in candidates.items():
+            hook.out.zero_()
+            launch()
+            error = (hook.out.float() - expected).abs().max() / expected.abs().max()
+            assert error < 2 * 2.0**-10, (config, float(error))
+
+
+@pytest.mark.slow  # about 5 s: two worker processes started
+def test_a_failed_compile_warm_up_is_said_and_the_tuning_goes_on_cold(capsys):
+    """Here a worker exits (the warm-up needs a CUDA GPU): the pool neither hangs nor raises."""
+    from benchmarks import tune_lora_moe as tune
+
+    tune.warm_all([("qwen3-30b-tp1", "mixed", 8)], workers=2, timeout_s=120)
+    out = capsys.readouterr().out
+    assert "warm-up stopped" in out and "needs a CUDA GPU" in out and "the tuning compiles the rest" in out, out
+
+
 @pytest.mark.slow  # about 7 s on CPU: the checkpoint written, transformers' model loaded, 9 greedy generations
 def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tmp_path):
     model, lora = tmp_path / "model", tmp_path / "lora"
