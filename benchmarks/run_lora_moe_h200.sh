@@ -3,13 +3,25 @@
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
 # default LoRA MoE path with those tiles; or each kernel of the fast path against its floor (kernels).
 # Results under ${OUT:-results}/.
-#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels] [extra arguments for the Python scripts]
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|tune-ab] [extra arguments for the Python scripts]
+# tune-ab: tune, then the kernel table with the tuned tiles and with the shipped ones, alternated twice
+# (under $OUT/tuned1, shipped1, tuned2, shipped2): what the new tiles buy, on one machine. Its arguments
+# go to both scripts (--shapes, --tokens).
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 1; }
 export OUT="${OUT:-results}"; mkdir -p "$OUT"
 what="${1:-all}"; shift || true
-if [ "$what" = tune ] || [ "$what" = all ]; then
-  timeout "${TUNE_S:-300}" python3 -m benchmarks.tune_lora_moe --out "$OUT" "$@"
+if [ "$what" = tune ] || [ "$what" = all ] || [ "$what" = tune-ab ]; then
+  # Stopped by the time limit, the tune has written the batches it finished: what follows runs with those.
+  timeout "${TUNE_S:-300}" python3 -m benchmarks.tune_lora_moe --out "$OUT" "$@" || echo "tune stopped (exit $?)"
+fi
+if [ "$what" = tune-ab ]; then
+  for i in 1 2; do
+    SGLANG_LORA_TMA_GUARD_TILES="$OUT/lora_moe_tiles.json" timeout "${BENCH_S:-280}" \
+      python3 -m benchmarks.lora_moe_kernels --out "$OUT/tuned$i" "$@"
+    timeout "${BENCH_S:-280}" python3 -m benchmarks.lora_moe_kernels --out "$OUT/shipped$i" "$@"
+  done
+  exit 0
 fi
 # What tune wrote (this call or an earlier one into the same $OUT) is what bench and kernels run with.
 if [ -f "$OUT/lora_moe_tiles.json" ]; then export SGLANG_LORA_TMA_GUARD_TILES="$OUT/lora_moe_tiles.json"; fi
