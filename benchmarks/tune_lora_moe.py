@@ -188,8 +188,9 @@ def captured(launches: dict) -> dict:
 def tune_hook(h: Hook, routing):
     """(best StageConfig, ms) for one hook: the shrink tiles, then the expand tiles on the best shrink,
     then that pair (the whole hook, two launches) against the one-kernel candidates (one launch)."""
-    shrink_cfg, _ = best(captured(shrink_launches(h, routing)))
-    t = shrink_launches(h, routing)[shrink_cfg]()
+    shrinks = shrink_launches(h, routing)
+    shrink_cfg, _ = best(captured(shrinks))
+    t = shrinks[shrink_cfg]()
     expand_cfg, _ = best(captured(expand_launches(h, routing, t)))
     tiles = replace(shrink_cfg, **{k: v for k, v in asdict(expand_cfg).items() if k.startswith("expand")})
     # The two launches against one, timed side by side: a one-kernel hook wins only where it is faster.
