@@ -17,9 +17,11 @@ if [ "$what" = tune ] || [ "$what" = all ] || [ "$what" = tune-ab ]; then
 fi
 if [ "$what" = tune-ab ]; then
   for i in 1 2; do
+    # A table stopped by its time limit keeps its finished rows; the next one still runs.
     SGLANG_LORA_TMA_GUARD_TILES="$OUT/lora_moe_tiles.json" timeout "${BENCH_S:-280}" \
-      python3 -m benchmarks.lora_moe_kernels --out "$OUT/tuned$i" "$@"
-    timeout "${BENCH_S:-280}" python3 -m benchmarks.lora_moe_kernels --out "$OUT/shipped$i" "$@"
+      python3 -m benchmarks.lora_moe_kernels --out "$OUT/tuned$i" "$@" || echo "tuned$i stopped (exit $?)"
+    timeout "${BENCH_S:-280}" python3 -m benchmarks.lora_moe_kernels --out "$OUT/shipped$i" "$@" \
+      || echo "shipped$i stopped (exit $?)"
   done
   exit 0
 fi

@@ -235,6 +235,53 @@ def test_each_one_kernel_candidate_of_the_tuner_adds_the_two_launch_hooks_delta(
             assert error < 2 * 2.0**-10, (config, float(error))
 
 
+def shipped_tiles():
+    """Every distinct (hook, rows per block, its tiles) the shipped table holds, for any GPU and shape; warps and
+    pipeline stages left at their defaults, as the interpreter runs a program the same whatever they are."""
+    from dataclasses import replace
+
+    from sglang_lora_tma_guard import lora_moe, tuning
+
+    same = {f: getattr(lora_moe.StageConfig(), f) for f in ("shrink_warps", "shrink_stages", "expand_warps",
+                                                             "expand_stages")}
+    found = set()
+    for gpu, shapes in tuning._table(None).items():
+        if not gpu.startswith("_"):
+            for buckets in shapes.values():
+                for entry in buckets:
+                    found.update((hook, entry["block_m"], replace(tuning._stage(entry[hook]), **same))
+                                 for hook in ("gate_up", "down"))
+    return sorted(found, key=repr)
+
+
+@pytest.mark.slow  # about 80 s on CPU: each shipped tile on its hook through the interpreter
+def test_each_tile_the_package_ships_adds_the_default_tiles_delta(fm):
+    """The tuner's batch set-up on the CPU and each tile of ``lora_moe_tiles.json`` on its hook (split K,
+    column groups, every rank in one tile, one kernel a hook), routed at its own rows per block, against the
+    default tiles' two-launch hook (itself scored against the float32 reference in test_fast_lora.py):
+    within two fp16 steps of the output, as both round the same float32 ranks to fp16."""
+    from benchmarks import tune_lora_moe as tune
+    from harness import real_lora, tiny_moe
+
+    tiles = shipped_tiles()
+    assert len(tiles) >= 20 and any(cfg.one_kernel for *_, cfg in tiles) and any(cfg.split_k > 1 for *_, cfg in tiles)
+    real_lora.enable_cpu_lora_ops()
+    weights = tiny_moe.make_weights(8, 64, 40, seed=0, device="cpu")
+    batch = tune.Batch.make(dict(E=8, N=40, K=64, topk=2), "mixed", 6, weights, device="cpu", dtype=torch.float16)
+    hooks, expected = {"gate_up": batch.gate_up, "down": batch.down}, {}
+    for name, hook in hooks.items():
+        hook.out.zero_()
+        tune.hook_launch(hook, batch.route(16), tune.BASE)()
+        expected[name] = hook.out.float().clone()
+        assert expected[name].abs().max() > 0.05
+    for name, block_m, config in tiles:
+        hook, want = hooks[name], expected[name]
+        hook.out.zero_()
+        tune.hook_launch(hook, batch.route(block_m), config)()
+        error = (hook.out.float() - want).abs().max() / want.abs().max()
+        assert error < 2 * 2.0**-10, (name, block_m, config, float(error))
+
+
 @pytest.mark.slow  # about 5 s: two worker processes started
 def test_a_failed_compile_warm_up_is_said_and_the_tuning_goes_on_cold(capsys):
     """Here a worker exits (the warm-up needs a CUDA GPU): the pool neither hangs nor raises."""

@@ -186,6 +186,21 @@ def test_tiles_and_routing_paths_agree_with_the_reference(runners, block_m, conf
     assert max(errors(fast, reference)) < TOLERANCE
 
 
+def test_the_shipped_tiles_name_only_known_tiles_in_rising_buckets():
+    """``tuning`` drops a key StageConfig does not know (a newer table read by an older package): so the
+    shipped table itself must hold none, each shape's buckets rising, blocks of 16, 32 or 64 rows."""
+    names = {f.name for f in dataclasses.fields(lora_moe.StageConfig)}
+    table = tuning._table(None)
+    shapes = [buckets for gpu, per_gpu in table.items() if not gpu.startswith("_") for buckets in per_gpu.values()]
+    assert len(shapes) >= 7
+    for buckets in shapes:
+        assert [b["max_pairs"] for b in buckets] == sorted({b["max_pairs"] for b in buckets}), buckets
+        for entry in buckets:
+            assert entry["block_m"] in (16, 32, 64), entry
+            for hook in ("gate_up", "down"):
+                assert set(entry[hook]) <= names, set(entry[hook]) - names
+
+
 ONE_KERNEL = lora_moe.StageConfig(one_kernel=True, shrink_block_k=64, expand_block_n=32, expand_n_tiles=3)
 
 
