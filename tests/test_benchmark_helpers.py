@@ -48,6 +48,7 @@ def run_campaign(tmp_path, script: str, **env) -> subprocess.CompletedProcess:
                           cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # the benchmarks' server harness, not the package: out of the default run
 def test_a_server_is_waited_for_asked_and_stopped(tmp_path):
     port, log, out = free_port(), tmp_path / "server.log", tmp_path / "load.json"
     done = run_campaign(tmp_path, f"""
@@ -66,6 +67,7 @@ def test_a_server_is_waited_for_asked_and_stopped(tmp_path):
     assert load["tokens_per_s_waves"] == sorted(load["tokens_per_s_waves"])
 
 
+@pytest.mark.slow  # the benchmarks' server harness, not the package: out of the default run
 def test_a_runs_requests_are_kept_as_the_reference_scores_them(tmp_path):
     port, log, out = free_port(), tmp_path / "server.log", tmp_path / "run-fast.json"
     done = run_campaign(tmp_path, f"""
@@ -82,6 +84,7 @@ def test_a_runs_requests_are_kept_as_the_reference_scores_them(tmp_path):
     assert [r["adapter"] for r in run["requests"][-8:]] == [None, "a1", "a2", "a3", "a4", None, "a1", "a2"]
 
 
+@pytest.mark.slow  # the benchmarks' server harness, not the package: out of the default run
 def test_a_server_that_exits_at_start_is_said_and_not_waited_for(tmp_path):
     port, log = free_port(), tmp_path / "server.log"
     done = run_campaign(tmp_path, f"""

@@ -94,7 +94,8 @@ def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["blocks-of-one-adapter", "sglangs-route-list"])
 @pytest.mark.parametrize("fp8, shared_outer, tma, n, k, block_m, block_n, block_k", [
-    (False, False, False, 200, 72, 16, 32, 32),
+    # All out of the default run: the fused down launch is not placed by =fast (measured slower).
+    pytest.param(False, False, False, 200, 72, 16, 32, 32, marks=pytest.mark.slow),
     pytest.param(True, False, False, 72, 200, 16, 32, 128, marks=pytest.mark.slow),
     pytest.param(True, False, True, 72, 208, 16, 32, 128, marks=pytest.mark.slow),  # TMA: rows of 16-byte multiples
     pytest.param(False, True, False, 200, 72, 32, 64, 64, marks=pytest.mark.slow),
