@@ -257,7 +257,7 @@ def shipped_tiles():
     return sorted(found, key=repr)
 
 
-@pytest.mark.slow  # about 80 s on CPU: each shipped tile on its hook through the interpreter
+@pytest.mark.slow  # about 70 s on CPU: each shipped tile on its hook through the interpreter
 def test_each_tile_the_package_ships_adds_the_default_tiles_delta(fm):
     """The tuner's batch set-up on the CPU and each tile of ``lora_moe_tiles.json`` on its hook (split K,
     column groups, every rank in one tile, one kernel a hook), routed at its own rows per block, against the
