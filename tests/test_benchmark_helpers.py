@@ -214,23 +214,36 @@ def test_the_hooks_host_time_is_timed_with_the_launches_left_out_and_put_back(ca
     assert all(float(cell) > 0 for row in rows for cell in row.split("|")[3:7])
 
 
-@pytest.mark.slow  # about 10 s on CPU: 24 one-kernel hooks through the interpreter
-def test_each_one_kernel_candidate_of_the_tuner_adds_the_two_launch_hooks_delta(fm):
-    """The tuner's batch set-up on the CPU (its tensors and routing as on the H200) and each one-kernel
-    tile it would time, against the two-launch hook of the default tiles: the same delta within two fp16
-    steps of the output (both round the same float32 ranks to fp16 before the expand)."""
+def tuner_batch_and_default_deltas():
+    """The tuner's batch set-up on the CPU (its tensors and routing as on the H200), and each hook's delta
+    with the default tiles' two-launch hook: (batch, {hook name: (hook, delta)})."""
     from benchmarks import tune_lora_moe as tune
     from harness import real_lora, tiny_moe
 
     real_lora.enable_cpu_lora_ops()
     weights = tiny_moe.make_weights(8, 64, 40, seed=0, device="cpu")
     batch = tune.Batch.make(dict(E=8, N=40, K=64, topk=2), "mixed", 6, weights, device="cpu", dtype=torch.float16)
-    routing = batch.route(16)
-    for hook in (batch.gate_up, batch.down):
+    hooks = {}
+    for name, hook in (("gate_up", batch.gate_up), ("down", batch.down)):
         hook.out.zero_()
-        tune.hook_launch(hook, routing, tune.BASE)()
-        expected, candidates = hook.out.float().clone(), tune.one_kernel_launches(hook, routing)
-        assert len(candidates) == 12 and expected.abs().max() > 0.05
+        tune.hook_launch(hook, batch.route(16), tune.BASE)()
+        hooks[name] = hook, hook.out.float().clone()
+        assert hooks[name][1].abs().max() > 0.05
+    return batch, hooks
+
+
+@pytest.mark.slow  # about 10 s on CPU: 24 one-kernel hooks through the interpreter
+def test_each_one_kernel_candidate_of_the_tuner_adds_the_two_launch_hooks_delta(fm):
+    """The tuner's batch set-up on the CPU (its tensors and routing as on the H200) and each one-kernel
+    tile it would time, against the two-launch hook of the default tiles: the same delta within two fp16
+    steps of the output (both round the same float32 ranks to fp16 before the expand)."""
+    from benchmarks import tune_lora_moe as tune
+
+    batch, hooks = tuner_batch_and_default_deltas()
+    routing = batch.route(16)
+    for hook, expected in hooks.values():
+        candidates = tune.one_kernel_launches(hook, routing)
+        assert len(candidates) == 12
         for config, launch in candidates.items():
             hook.out.zero_()
             launch()
@@ -264,21 +277,12 @@ def test_each_tile_the_package_ships_adds_the_default_tiles_delta(fm):
     default tiles' two-launch hook (itself scored against the float32 reference in test_fast_lora.py):
     within two fp16 steps of the output, as both round the same float32 ranks to fp16."""
     from benchmarks import tune_lora_moe as tune
-    from harness import real_lora, tiny_moe
 
     tiles = shipped_tiles()
     assert len(tiles) >= 20 and any(cfg.one_kernel for *_, cfg in tiles) and any(cfg.split_k > 1 for *_, cfg in tiles)
-    real_lora.enable_cpu_lora_ops()
-    weights = tiny_moe.make_weights(8, 64, 40, seed=0, device="cpu")
-    batch = tune.Batch.make(dict(E=8, N=40, K=64, topk=2), "mixed", 6, weights, device="cpu", dtype=torch.float16)
-    hooks, expected = {"gate_up": batch.gate_up, "down": batch.down}, {}
-    for name, hook in hooks.items():
-        hook.out.zero_()
-        tune.hook_launch(hook, batch.route(16), tune.BASE)()
-        expected[name] = hook.out.float().clone()
-        assert expected[name].abs().max() > 0.05
+    batch, hooks = tuner_batch_and_default_deltas()
     for name, block_m, config in tiles:
-        hook, want = hooks[name], expected[name]
+        hook, want = hooks[name]
         hook.out.zero_()
         tune.hook_launch(hook, batch.route(block_m), config)()
         error = (hook.out.float() - want).abs().max() / want.abs().max()
