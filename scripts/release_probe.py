@@ -1,6 +1,6 @@
 """The guard on the installed SGLang's own server arguments and LoRA seam, in a fresh interpreter.
 
-    SGLANG_LORA_TMA_GUARD=1 python scripts/release_probe.py      (prints one JSON object)
+    SGLANG_LORA_TMA_GUARD=1 python scripts/release_probe.py [--layers]     (prints one JSON object)
 
 First the catalogue (:func:`catalogue_check`): each defect's presence, read from this release's files,
 and what the launcher does with this release's own ``ServerArgs`` where a defect is decided from the
@@ -21,6 +21,9 @@ Then the LoRA MoE seam of the same release (:func:`lora_path_check`): SGLang's r
 ``build_lora_hooks`` when it runs, the guard's wrapper is in its place, the release's virtual-experts
 path is judged from its code, and the fast hooks, built through the release's own ``build_lora_hooks``
 from its own ``LoRAInfo``, are checked against a float32 reference on Triton's CPU interpreter.
+With ``--layers``, then SGLang's own MoE layers on the same release, unguarded and guarded
+(``harness/layer_probe.py``, started as a fresh interpreter would start it: the guard taken off and the
+switch unset), and the two reports as ``{"fusion": ..., "layers": ...}``: one SGLang import a release.
 Used by ``scripts/version_matrix.py``.
 """
 
@@ -65,7 +68,7 @@ def _fields(records, fields):
     return [getattr(record, field) for record, field in zip(records, fields)]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     warnings.simplefilter("ignore")
     log = io.StringIO()
     logging.basicConfig(stream=log, level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
@@ -89,7 +92,15 @@ def main() -> None:
         early_error = None
     except Exception as exc:  # a dummy model may trip an unrelated check; the hook ran first
         early_error = f"{type(exc).__name__}: {exc}"[:300]
-    received = child_reads([*records.values(), early])
+    warned = [line for line in log.getvalue().splitlines() if "sglang-lora-tma-guard" in line]  # by the cases
+    lora_path = lora_path_check()
+    catalogue, changes = catalogue_check()
+    # One spawned child reads every record (a spawn costs an SGLang import): the cases', the early one's
+    # and the catalogue's launcher changes.
+    fields = ["disable_shared_experts_fusion"] * (len(records) + 1) + [field for _, field in CHANGES.values()]
+    received = child_reads([*records.values(), early, *changes], fields)
+    received, changed = received[:len(records) + 1], received[len(records) + 1:]
+    catalogue["changes"] = dict(zip(CHANGES, changed))
     result = {
         "version": getattr(sglang, "__version__", None),
         "hooked": f"ServerArgs.{serving.resolution_method(ServerArgs)}",
@@ -97,13 +108,27 @@ def main() -> None:
         **dict(zip(records, received)),
         "resolved_before_plugins": {"before_check": early_before_check, "child": received[-1],
                                     "check_error": early_error},
-        "warnings": [line for line in log.getvalue().splitlines() if "sglang-lora-tma-guard" in line],
-        "lora_path": lora_path_check(),
-        "catalogue": catalogue_check(),
+        "warnings": warned,
+        "lora_path": lora_path,
+        "catalogue": catalogue,
         "probes": {"csgmv_segments": defect_probes.csgmv_segments(),
                    "dp_attention_mapping": defect_probes.dp_attention_mapping()},
     }
+    if "--layers" in (sys.argv[1:] if argv is None else argv):
+        result = {"fusion": result, "layers": layers_unguarded_then_guarded(serving)}
     print(json.dumps(result))
+
+
+def layers_unguarded_then_guarded(serving) -> dict:
+    """``harness/layer_probe.py`` in this interpreter (an SGLang import saved a release), from where a
+    fresh one starts it: every patch of the guard off and the switch unset."""
+    import os
+
+    serving.deactivate()
+    os.environ.pop("SGLANG_LORA_TMA_GUARD", None)
+    from harness import layer_probe
+
+    return layer_probe.probe()
 
 
 MOE_CONFIG = {
@@ -124,8 +149,9 @@ REFUSALS = {
 }
 
 
-def catalogue_check() -> dict:
-    """Each defect's presence in this release, and the launcher's decisions on its own ServerArgs."""
+def catalogue_check() -> tuple[dict, list]:
+    """Each defect's presence in this release and the deployments the launcher refuses on its own
+    ServerArgs; with the LoRA server records whose changed fields (``CHANGES``) a spawned child reads."""
     import json as json_module
     import tempfile
     from pathlib import Path
@@ -134,7 +160,6 @@ def catalogue_check() -> dict:
 
     presence = {d.id: dataclass_dict(d.present()) for d in defects.DEFECTS}
     records = [build(enable_lora=True, **flags) for flags, _ in CHANGES.values()]
-    received = child_reads(records, [field for _, field in CHANGES.values()])
     refused = {}
     with tempfile.TemporaryDirectory() as model:
         (Path(model) / "config.json").write_text(json_module.dumps(MOE_CONFIG))
@@ -146,7 +171,7 @@ def catalogue_check() -> dict:
                 refused[name] = str(refusal)
             except Exception:  # SGLang's own checks after the guard's (no GPU here): not refused by us
                 refused[name] = None
-    return {"presence": presence, "changes": dict(zip(CHANGES, received)), "refused": refused}
+    return {"presence": presence, "refused": refused}, records
 
 
 def dataclass_dict(record) -> dict:

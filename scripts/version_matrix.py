@@ -81,15 +81,18 @@ def probe_release(version: str) -> dict:
     return report
 
 
-def probe_fusion(version: str) -> dict:
-    """The shared-expert fix on one release's own ServerArgs, guard on (scripts/release_probe.py)."""
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "release_probe.py")],
+def probe_serving(version: str) -> dict:
+    """One release's serving path, guard on, then its own MoE layers unguarded and guarded, in one fresh
+    interpreter (``scripts/release_probe.py --layers``): ``{"fusion": ..., "layers": ...}``."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "release_probe.py"), "--layers"],
                           env=release_env(version, SGLANG_LORA_TMA_GUARD="1", TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
     try:
-        return {**json.loads(proc.stdout.splitlines()[-1]), "version": version}
-    except (IndexError, json.JSONDecodeError):
-        return {"version": version, "error": (proc.stdout + proc.stderr)[-2000:]}
+        found = json.loads(proc.stdout.splitlines()[-1])
+        return {"fusion": {**found["fusion"], "version": version}, "layers": found["layers"]}
+    except (IndexError, KeyError, json.JSONDecodeError):
+        error = (proc.stdout + proc.stderr)[-2000:]
+        return {"fusion": {"version": version, "error": error}, "layers": {"error": error}}
 
 
 def probe_all(versions, jobs: int = 2, probe=probe_release) -> dict:
@@ -296,17 +299,6 @@ def catalogue_markdown(results: list[dict], layers: dict) -> str:
     return "\n\n".join(parts)
 
 
-def probe_layers(version: str) -> dict:
-    """SGLang's own MoE layers on one release, each case unguarded and guarded (harness/layer_probe.py)."""
-    env = release_env(version, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "harness.layer_probe"], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
-    try:
-        return json.loads(proc.stdout.splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"error": (proc.stdout + proc.stderr)[-2000:]}
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", nargs="+", default=VERSIONS)
@@ -316,12 +308,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     reports = list(probe_all(args.versions, args.jobs).values())
     print(markdown(reports))
-    fusion = list(probe_all(args.fusion_versions, args.jobs, probe_fusion).values())
+    serving = probe_all(args.fusion_versions, args.jobs, probe_serving)
+    fusion = [found["fusion"] for found in serving.values()]
     print()
     print(fusion_markdown(fusion))
     print()
     print(lora_markdown(fusion))
-    layers = probe_all(args.fusion_versions, args.jobs, probe_layers)
+    layers = {version: found["layers"] for version, found in serving.items()}
     print()
     print(catalogue_markdown(fusion, layers))
     if args.json_out:

@@ -47,9 +47,16 @@ def test_fixed_release_is_recognised_and_sped_up(reports, version):
 
 
 @pytest.fixture(scope="module")
-def fusion_results():
-    """The shared-expert fix on every release 0.5.11-0.5.23, guard on, two releases at a time."""
-    return version_matrix.probe_all(version_matrix.FUSION_VERSIONS, probe=version_matrix.probe_fusion)
+def serving():
+    """Every release 0.5.11-0.5.23 in one interpreter each, two at a time: its serving path with the guard
+    on, then SGLang's own MoE layers wrapped by its own LoRA manager, unguarded and guarded."""
+    return version_matrix.probe_all(version_matrix.FUSION_VERSIONS, probe=version_matrix.probe_serving)
+
+
+@pytest.fixture(scope="module")
+def fusion_results(serving):
+    """The shared-expert fix, the LoRA MoE seam and the catalogue's launcher step, guard on."""
+    return {version: found["fusion"] for version, found in serving.items()}
 
 
 @pytest.mark.parametrize("version", version_matrix.FUSION_VERSIONS)
@@ -122,9 +129,9 @@ def test_csgmv_and_dp_attention_shown_on_each_releases_own_code(fusion_results, 
 
 
 @pytest.fixture(scope="module")
-def layers():
-    """SGLang's own MoE layers wrapped by its own LoRA manager, each release, unguarded and guarded."""
-    return version_matrix.probe_all(version_matrix.FUSION_VERSIONS, probe=version_matrix.probe_layers)
+def layers(serving):
+    """SGLang's own MoE layers wrapped by its own LoRA manager, unguarded and guarded."""
+    return {version: found["layers"] for version, found in serving.items()}
 
 
 @pytest.mark.parametrize("version", version_matrix.FUSION_VERSIONS)
