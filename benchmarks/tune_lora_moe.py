@@ -7,10 +7,16 @@ shape) and batch size: for each candidate rows-per-block, the routing, then each
 and expand tiles timed alone (CUDA-graph replay, best of 3 x 20), the best of each kept, then the
 whole hook with those two against both GEMMs in one launch (``StageConfig.one_kernel``, up to 8192
 pairs); the rows-per-block with the least total wins. Writes ``lora_moe_tiles.json`` (the package's data format,
-``sglang_lora_tma_guard/tuning.py``: the shipped table with each bucket tuned here replaced) and
+``sglang_lora_tma_guard/tuning.py``: the table in use, ``SGLANG_LORA_TMA_GUARD_TILES`` or the shipped
+one, with each bucket tuned here replaced) and
 ``tune_lora_moe.md`` under ``--out``; copy the JSON into the package to ship it. Before the timing,
 ``--compile-workers`` processes compile every candidate of every batch into Triton's cache (a cold
 tuning spent most of its time compiling one kernel at a time).
+
+``--against FILE`` tunes nothing: each batch's whole LoRA work (its routing and both hooks) with the
+shipped tiles and with FILE's, the two graphs replayed in turn (best of 5 x 50), into ``tiles_ab.md``:
+what a tuned table buys on shapes whose base the kernel table cannot build (block-fp8 needs widths
+in multiples of 128; Qwen3-30B-A3B at tp 4 has 192).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -146,6 +153,12 @@ class Batch:
     def num_pairs(self) -> int:
         return self.topk_ids.numel()
 
+    @property
+    def plan_sizes(self) -> tuple[int, ...]:
+        """What ``tuning.plan`` takes for this batch: pairs, hidden, intermediate, experts, adapters, rank."""
+        return (self.num_pairs, self.gate_up.x.shape[1], self.down.x.shape[1], self.experts, self.gate_up.a.shape[0],
+                self.gate_up.rank)
+
     def route(self, block_m: int):
         return lora_moe.route(self.topk_ids, self.adapters, self.enabled, self.ranks, self.experts, block_m)
 
@@ -210,6 +223,30 @@ def tune_batch(shape, ranks_name, tokens, weights):
     entry = {"max_pairs": b.num_pairs, "block_m": block_m, "gate_up": asdict(gate_up), "down": asdict(down),
              "ms": round(total, 4), "route_ms": round(route_ms, 4)}
     return b.key, entry
+
+
+def plan_launch(b: Batch, plan: tuning.Plan):
+    """The LoRA work of a batch as the fast hooks do it with ``plan``: the routing, then both hooks."""
+    def run():
+        routing = b.route(plan.block_m)
+        hook_launch(b.gate_up, routing, plan.gate_up)()
+        return hook_launch(b.down, routing, plan.down)()
+
+    return run
+
+
+def against(args, out) -> int:
+    """The shipped tiles against ``args.against``'s, batch by batch, on one GPU."""
+    name_b = Path(args.against).name
+    table = tables.Table(["shape", "ranks", "tokens", "shipped ms", f"{name_b} ms", f"{name_b} / shipped"])
+    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
+        b = Batch.make(shape, ranks_name, tokens, weights)
+        graphs = {path: capture(plan_launch(b, tuning._plan(*b.plan_sizes, path)))[0] for path in (None, args.against)}
+        times = replay_times(graphs)
+        table.add(name, ranks_name, tokens, f"{times[None]:.4f}", f"{times[args.against]:.4f}",
+                  f"{times[args.against] / times[None]:.3f}")
+        (out / "tiles_ab.md").write_text(f"{table}\n")
+    return 0
 
 
 def warm(shape_name: str, ranks_name: str, tokens: int, part: int, parts: int) -> tuple[int, int]:
@@ -282,11 +319,16 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-workers", type=int, default=min(4, max(0, (os.cpu_count() or 1) - 2)),
                         help="processes that compile every candidate before the timing starts (0 or 1: none)")
     parser.add_argument("--compile-timeout", type=float, default=240, help="seconds the warm-up may take")
+    parser.add_argument("--against", metavar="FILE", help="no tuning: the shipped tiles against FILE's, timed")
     args = parser.parse_args(argv)
     out = results_dir(args)
     prepare_sglang()
+    if args.against:
+        return against(args, out)
     gpu = torch.cuda.get_device_name()
-    tiles = copy.deepcopy(tuning._table(None))  # the shipped table, each bucket tuned here replaced
+    # The table in use (SGLANG_LORA_TMA_GUARD_TILES, else the shipped one), each bucket tuned here replaced:
+    # tunes of other shapes or sizes chain through it.
+    tiles = copy.deepcopy(tuning._table(os.environ.get(tuning.TILES_ENV) or None))
     tiles.setdefault(gpu, {})
     table = tables.Table(["shape", "ranks", "tokens", "block_m", "gate-up tiles", "down tiles", "LoRA ms (tuned)"],
                          echo=False)

@@ -289,6 +289,24 @@ def test_each_tile_the_package_ships_adds_the_default_tiles_delta(fm):
         assert error < 2 * 2.0**-10, (name, block_m, config, float(error))
 
 
+@pytest.mark.slow  # about 3 s on CPU: both hooks through the interpreter
+def test_the_tiles_ab_runs_the_routing_and_both_hooks_with_the_plan_of_its_table(fm):
+    """``tune_lora_moe --against``'s launch, on the plan the package makes for the batch (here its rule of
+    thumb: the shape is in no table): each hook's delta as the default tiles' two-launch hook adds it."""
+    from benchmarks import tune_lora_moe as tune
+    from sglang_lora_tma_guard import tuning
+
+    batch, hooks = tuner_batch_and_default_deltas()
+    plan = tuning._plan(*batch.plan_sizes, None)
+    assert plan == tuning.plan(*batch.plan_sizes)
+    for hook, _ in hooks.values():
+        hook.out.zero_()
+    tune.plan_launch(batch, plan)()
+    for name, (hook, want) in hooks.items():
+        error = (hook.out.float() - want).abs().max() / want.abs().max()
+        assert error < 2 * 2.0**-10, (name, plan, float(error))
+
+
 @pytest.mark.slow  # about 5 s: two worker processes started
 def test_a_failed_compile_warm_up_is_said_and_the_tuning_goes_on_cold(capsys):
     """Here a worker exits (the warm-up needs a CUDA GPU): the pool neither hangs nor raises."""
