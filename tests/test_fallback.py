@@ -144,10 +144,13 @@ from sglang_lora_tma_guard import status
 from sglang_lora_tma_guard.inspection import sglang_version
 if os.environ.get("LOAD_PLUGINS") == "1":
     plugins.load_plugins()
-problem = tiny_moe.make_problem(num_tokens=int(sys.argv[1]), seed=int(sys.argv[1]))
-out = tiny_moe.run_sequence(problem, use_tma=True, hooks=tiny_moe.lora_hooks(problem))
-torch.save({"out": out, "status": status().as_dict(), "version": sglang_version()}, sys.argv[2])
+outs = {}
+for tokens in map(int, sys.argv[1].split(",")):
+    problem = tiny_moe.make_problem(num_tokens=tokens, seed=tokens)
+    outs[tokens] = tiny_moe.run_sequence(problem, use_tma=True, hooks=tiny_moe.lora_hooks(problem))
+torch.save({"outs": outs, "status": status().as_dict(), "version": sglang_version()}, sys.argv[2])
 """
+RENAMED_TOKENS = [3, 17]
 
 
 @pytest.fixture(scope="module")
@@ -171,29 +174,36 @@ def renamed_sglang(tmp_path_factory):
     return root
 
 
-def run_renamed(root, tokens, load_plugins, tmp_path):
-    out = tmp_path / f"out-{tokens}-{load_plugins}.pt"
+def run_renamed(root, load_plugins, tmp_path) -> dict:
+    """RENAMED_RUN in a fresh interpreter on the renamed copy: every batch size of RENAMED_TOKENS."""
+    out = tmp_path / f"out-{load_plugins}.pt"
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS",)}
     env.update(PYTHONPATH=str(root), TRITON_INTERPRET="1", SGLANG_LORA_TMA_GUARD="1",
                LOAD_PLUGINS="1" if load_plugins else "0")
-    proc = subprocess.run([sys.executable, "-c", RENAMED_RUN, str(tokens), str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", RENAMED_RUN, ",".join(map(str, RENAMED_TOKENS)), str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
 
+@pytest.fixture(scope="module")
+def renamed_runs(renamed_sglang, tmp_path_factory):
+    """The renamed copy run with the plugin loaded by ``load_plugins()`` and without: one interpreter each."""
+    tmp = tmp_path_factory.mktemp("renamed-runs")
+    return {guarded: run_renamed(renamed_sglang, guarded, tmp) for guarded in (True, False)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tokens", [3, 17])
-def test_renamed_flag_is_guarded_by_the_fallback_through_load_plugins(fm, renamed_sglang, tmp_path, tokens):
+@pytest.mark.parametrize("tokens", RENAMED_TOKENS)
+def test_renamed_flag_is_guarded_by_the_fallback_through_load_plugins(fm, renamed_runs, tokens):
     problem = tiny_moe.make_problem(num_tokens=tokens, seed=tokens)
     reference = tiny_moe.run_sequence(problem, use_tma=False, hooks=tiny_moe.lora_hooks(problem))  # unmodified
-    guarded = run_renamed(renamed_sglang, tokens, True, tmp_path)
+    guarded, unguarded = renamed_runs[True], renamed_runs[False]
     assert guarded["version"] == "0.5.16.dev0+renamed"
     assert guarded["status"]["strategy"] == "fallback" and guarded["status"]["installed"]
-    assert rel_err(guarded["out"], reference) < 0.02
-    unguarded = run_renamed(renamed_sglang, tokens, False, tmp_path)
+    assert rel_err(guarded["outs"][tokens], reference) < 0.02
     assert not unguarded["status"]["installed"]
-    assert tiny_moe.compare(unguarded["out"], reference).rows_wrong == tokens
+    assert tiny_moe.compare(unguarded["outs"][tokens], reference).rows_wrong == tokens
 
 
 def dense_problem(dtype, hidden=128, intermediate=128, gated=True, **make):
