@@ -1,7 +1,8 @@
 """What the installed SGLang's own MoE layers do with LoRA, with and without the guard: one JSON line.
 
 ``python -m harness.layer_probe`` (cwd: the repository, ``PYTHONPATH=<sglang release>:.``,
-``TRITON_INTERPRET=1``) builds each case with :mod:`harness.sglang_cpu` (SGLang's ``FusedMoE``, its
+``TRITON_INTERPRET=1``; the version matrix runs :func:`probe` after ``scripts/release_probe.py`` in its
+interpreter, every patch of the guard taken off first) builds each case with :mod:`harness.sglang_cpu` (SGLang's ``FusedMoE``, its
 ``init_lora_modules``, its LoRA forward on a CPU) as ``tests/test_defects.py`` does, once unguarded and
 once after ``serving.arm()``, and prints the report as one JSON object, the last line of its output. Each
 case reports its own failure (``{"error": ...}``), so one that breaks on a release leaves the others to be

@@ -14,8 +14,8 @@ The rest of the import chain is the one of this environment (requirements/sglang
 Then the catalogue: which release has which defect (read from its files), and one table per defect:
 what the guard does with the release's own ``ServerArgs`` (``release_probe.py``), the defect shown on
 its own code (``defect_probes.py``), and SGLang's own MoE layers wrapped by its own LoRA manager, run
-on the CPU against a float32 reference, unguarded and guarded (``harness/layer_probe.py``).
-Prints Markdown tables.
+on the CPU against a float32 reference, unguarded and guarded (``harness/layer_probe.py``, in the
+interpreter of ``release_probe.py --layers``, after it: one SGLang import a release). Prints Markdown tables.
 """
 
 from __future__ import annotations
