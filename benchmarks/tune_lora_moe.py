@@ -321,6 +321,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-timeout", type=float, default=240, help="seconds the warm-up may take")
     parser.add_argument("--against", metavar="FILE", help="no tuning: the shipped tiles against FILE's, timed")
     args = parser.parse_args(argv)
+    if args.against and not Path(args.against).is_file():  # the package would fall back to its own table
+        parser.error(f"--against {args.against}: no such file")
     out = results_dir(args)
     prepare_sglang()
     if args.against:
