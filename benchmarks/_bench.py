@@ -88,17 +88,22 @@ def prepare_sglang(needs_gpu: bool = True) -> None:
     installed.ensure_server_args()
 
 
-def lookup_configs(shape: dict, tokens: int):
-    """SGLang's own choice for this shape and batch size: (config, down_config, use_tma)."""
+BASES = {"fp8": None, "bf16": torch.bfloat16}
+"""The base weights a LoRA MoE benchmark can run: block fp8 (128 x 128 scales), or bf16 (``--base``)."""
+
+
+def lookup_configs(shape: dict, tokens: int, base: str = "fp8"):
+    """SGLang's own choice for this shape, batch size and base weights: (config, down_config, use_tma)."""
     from sglang.kernels.ops.moe.fused_moe_triton_kernels import support_tensor_descriptor
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import (
         try_get_optimal_moe_config,
     )
 
     E, N, K = shape["E"], shape["N"], shape["K"]
+    fp8 = base == "fp8"
     config, (down_config, _) = try_get_optimal_moe_config(
-        (E, 2 * N, K), (E, K, N), shape["topk"], "fp8_w8a8", tokens,
-        block_shape=[128, 128], return_down_config=True,
+        (E, 2 * N, K), (E, K, N), shape["topk"], "fp8_w8a8" if fp8 else None, tokens,
+        block_shape=[128, 128] if fp8 else None, return_down_config=True,
     )
     use_tma = bool(support_tensor_descriptor() and down_config is not None
                    and down_config.pop("USE_TMA", False))

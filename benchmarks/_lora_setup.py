@@ -18,6 +18,7 @@ from harness import real_lora
 
 RANK_SETS = {"mixed": (8, 16, 32, 64), "r16": (16, 16, 16, 16)}
 HBM_BYTES_PER_S = 4.3e12  # what an H200 streams in practice (FACTS.md section 3)
+BASE_NAMES = {"fp8": "block fp8 (128 x 128 scales)", "bf16": "bf16"}
 
 
 def rank_set(name: str) -> tuple[int, ...]:
@@ -30,16 +31,43 @@ def shape_rank_sets(name: str) -> tuple[str, ...]:
     return ("mixed", "r16") if name == "glm51-fp8-tp8" else ("mixed",)
 
 
-def batches(shape_names, token_counts, rank_sets=None):
+def add_base_option(parser) -> None:
+    """``--base fp8|bf16``: the MoE's own weights (block fp8 by default; bf16 runs every shape)."""
+    from benchmarks._bench import BASES
+
+    parser.add_argument("--base", choices=list(BASES), default="fp8",
+                        help="the base experts' weights: block fp8 (128 x 128 scales, SGLang's kernels take only "
+                             "widths in multiples of 128) or bf16")
+
+
+def check_base(shape_names, base: str) -> None:
+    """Refuse, before any GPU work, a block-fp8 run of a shape whose widths SGLang's block-fp8 path cannot take."""
+    from benchmarks._bench import SHAPES
+
+    for name in shape_names:
+        odd = [f"{what} {SHAPES[name][key]}" for key, what in (("N", "intermediate"), ("K", "hidden"))
+               if SHAPES[name][key] % 128]
+        if base == "fp8" and odd:
+            raise SystemExit(f"{name}: block fp8 needs widths in multiples of 128 (its {', '.join(odd)}); "
+                             "run it with --base bf16")
+
+
+def weight_base(weights) -> str:
+    """``fp8`` or ``bf16``: what :func:`batches` made these MoE weights as."""
+    return "fp8" if weights[2] is not None else "bf16"
+
+
+def batches(shape_names, token_counts, rank_sets=None, base: str = "fp8"):
     """(shape name, shape, rank set, tokens, MoE weights) for every batch the LoRA MoE scripts run: each
     shape with the mixed ranks, the GLM-5.1 shape also with all ranks 16 (or each shape with ``rank_sets``);
-    the weights made once a shape."""
-    from benchmarks._bench import SHAPES
+    the weights made once a shape, block fp8 or bf16 (``base``)."""
+    from benchmarks._bench import BASES, SHAPES
     from harness import tiny_moe
 
     for name in shape_names:
         shape = SHAPES[name]
-        weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda")
+        weights = tiny_moe.make_weights(shape["E"], shape["K"], shape["N"], seed=0, device="cuda",
+                                        dtype=BASES[base])
         for ranks_name in rank_sets or shape_rank_sets(name):
             for tokens in token_counts:
                 yield name, shape, ranks_name, tokens, weights
@@ -108,7 +136,7 @@ def lora_batch(shape: dict, ranks_name: str, tokens: int, weights) -> LoRABatch:
     from benchmarks._bench import lookup_configs
     from harness import tiny_moe
 
-    config, down_config, use_tma = lookup_configs(shape, tokens)
+    config, down_config, use_tma = lookup_configs(shape, tokens, weight_base(weights))
     problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
                                     dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config)
     info = lora_info(problem, ranks_name, seed=tokens)
@@ -126,15 +154,18 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
     import sglang_lora_tma_guard as guard
     from benchmarks._bench import prepare_sglang, results_dir, run_meta
 
+    base = getattr(args, "base", "fp8")
+    check_base(args.shapes, base)
     out = results_dir(args)
     prepare_sglang()
     from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
-    meta = run_meta(**meta_extra)
+    meta = run_meta(**meta_extra, base=base)
     rows = []
-    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens, getattr(args, "rank_sets", None)):
+    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens, getattr(args, "rank_sets", None),
+                                                            base):
         t0 = time.perf_counter()
-        rows.append(measure(model_capture_mode, name, shape, ranks_name, tokens, weights))
+        rows.append({**measure(model_capture_mode, name, shape, ranks_name, tokens, weights), "base": base})
         print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (out / f"{stem}.md").write_text(markdown(rows, meta))

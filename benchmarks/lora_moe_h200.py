@@ -1,6 +1,6 @@
 """The fast LoRA MoE path against SGLang's default LoRA MoE path, on a Hopper GPU.
 
-    python -m benchmarks.lora_moe_h200 [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--out results]
+    python -m benchmarks.lora_moe_h200 [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--out results] [--base fp8|bf16]
 
 Per shape (``_bench.SHAPES``), rank set (4 adapters of ranks 8/16/32/64 padded to 64; all 16 on the
 GLM-5.1 shape) and batch size, the ``benchmarks/lora_h200.py`` setup: SGLang's ``LoRAInfo`` with its
@@ -16,10 +16,11 @@ SGLang's ``TritonRunnerCore.run`` with the guard's weight TMA. Graphs, CUDA-grap
 - the floor: the LoRA weights the batch touches read once at 4.3 TB/s, at the true ranks.
 
 Checks per row (eager), on up to 32 tokens spread over the batch: every whole call's output against the
-float32 PyTorch reference MoE (``harness/reference.py``: the same fp8 weights and per-group fp8 activation
-quantization, no bf16 rounding anywhere, each adapter's delta in float32; the call without hooks against the
-reference without adapters, as the floor of this metric), and the default and fast paths' LoRA deltas
-alone against the float32 reference deltas (rounded into the bf16 buffers: blind to where paths round).
+float32 PyTorch reference MoE (``harness/reference.py``: the same weights, with a block-fp8 base the same
+per-group fp8 activation quantization, no bf16 rounding anywhere, each adapter's delta in float32; the
+call without hooks against the reference without adapters, as the floor of this metric), and the default
+and fast paths' LoRA deltas alone against the float32 reference deltas (rounded into the bf16 buffers:
+blind to where paths round).
 Writes ``lora_moe_h200.json`` / ``.md`` under ``--out``.
 """
 
@@ -33,7 +34,7 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture, replay_times
-from benchmarks._lora_setup import HBM_BYTES_PER_S, floor_bytes, fused_down, lora_batch, run_batches
+from benchmarks._lora_setup import BASE_NAMES, HBM_BYTES_PER_S, add_base_option, floor_bytes, fused_down, lora_batch, run_batches
 from harness import real_lora, tables, tiny_moe
 from harness.reference import ReferenceLoRAHooks, reference_moe
 from sglang_lora_tma_guard import lora_path
@@ -141,7 +142,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
 
 def markdown(rows, meta) -> str:
     lines = [
-        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. ms per call, "
+        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}; base experts "
+        f"{BASE_NAMES[meta.get('base', 'fp8')]}. ms per call, "
         "CUDA-graph replay, best of 5 x 50 (interleaved); hooks built inside the graph in SGLang's capture mode; "
         "weight TMA on. default = SGLang's LoRA MoE hooks (fused_moe_lora); fast = this package's (SGLANG_LORA_TMA_GUARD=fast); "
         "VE = SGLang's --lora-use-virtual-experts path (wrong on gated MoE, timed for reference). Floor: the LoRA "
@@ -166,7 +168,9 @@ def markdown(rows, meta) -> str:
 
 
 def main(argv=None) -> int:
-    return run_batches(benchmark_parser(__doc__, TOKENS).parse_args(argv), "lora_moe_h200", measure, markdown)
+    parser = benchmark_parser(__doc__, TOKENS)
+    add_base_option(parser)
+    return run_batches(parser.parse_args(argv), "lora_moe_h200", measure, markdown)
 
 
 if __name__ == "__main__":

@@ -2,17 +2,23 @@
 GEMMs would save, on a Hopper GPU.
 
     python -m benchmarks.lora_moe_kernels [--shapes glm51-fp8-tp8] [--tokens 1 8 64 256 1024 4096 8192] [--out results]
+        [--base fp8|bf16] [--rank-sets mixed r16]
 
 Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 adapters of ranks
 8/16/32/64 or all 16, the batch split evenly among them and the base model), CUDA-graph replays, best of
 5 x 50, interleaved:
 
-- the hook-less call (SGLang's ``TritonRunnerCore.run``, weight TMA), the fast hooked call, and the fast
-  hooked call with the down expand in the down GEMM's epilogue (``fused``: ``sglang_lora_tma_guard.fused_lora``);
+- the hook-less call (SGLang's ``TritonRunnerCore.run``, weight TMA), SGLang's default hooked call
+  (its ``build_lora_hooks``), the fast hooked call, and the fast hooked call with the down expand in the
+  down GEMM's epilogue (``fused``: ``sglang_lora_tma_guard.fused_lora``);
 - each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
   gate-up shrink and expand, the down shrink and expand;
 - the fused down GEMM's parts: SGLang's down GEMM alone (its launcher, weights by TMA where the call asks),
-  this package's (``moe_gemm``) without and with the LoRA epilogue, and its fp8 quantization of the input.
+  this package's (``moe_gemm``) without and with the LoRA epilogue, and its fp8 quantization of the input
+  (block fp8 only).
+
+The base experts are block fp8 (128 x 128 scales) or, with ``--base bf16``, bf16: the shapes whose widths
+are no multiple of 128 (Qwen3-30B-A3B at tp 4) run only so; the LoRA kernels and their floors are the same.
 
 Each kernel's floor is the larger of its bytes at HBM speed (what it must read and write at least: the
 rows of x or of the activation it multiplies, the LoRA weights of every (adapter, expert) in use at the
@@ -32,7 +38,7 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture, replay_times
-from benchmarks._lora_setup import HBM_BYTES_PER_S, fused_down, lora_batch, run_batches
+from benchmarks._lora_setup import BASE_NAMES, HBM_BYTES_PER_S, add_base_option, fused_down, lora_batch, run_batches
 from harness import real_lora, tables
 from sglang_lora_tma_guard import lora_moe, lora_path, tuning
 
@@ -106,8 +112,13 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
     launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
     sorted_ids, expert_ids, post = problem.alignment
     ids, w, cfg = problem.topk_ids, problem.topk_weights, dict(problem.down_config)
-    group_n, group_k = FP8_BLOCK
-    q, q_scale = moe_gemm.quantize_per_group(act, group_k)
+    fp8 = problem.block_fp8
+    group_n, group_k = FP8_BLOCK if fp8 else (1, None)
+
+    def quantize():  # block fp8 takes the activation in fp8 with per-row, per-group scales
+        return moe_gemm.quantize_per_group(act, group_k) if fp8 else (act, None)
+
+    q, q_scale = quantize()
     lora = moe_gemm.LoRAEpilogue(t_dn, info.down_lora_b_weights, slots, enabled, ranks,
                                  info.down_lora_b_weights.shape[1], max_rank)
 
@@ -127,12 +138,12 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
                           scale_block_n=group_n, topk=ids.shape[1], lora=epilogue, weights_by_tma=tma,
                           key_groups=ranks.numel() + 1 if keys else 0)
 
-    return {
+    parts = {
         "down_sglang": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, sorted_ids,
-                                      expert_ids, post, True, 1, cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True,
+                                      expert_ids, post, True, 1, cfg, compute_type=tl.bfloat16, use_fp8_w8a8=fp8,
                                       use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
-                                      per_channel_quant=False, block_shape=list(FP8_BLOCK), b_use_tma=use_tma),
-        "quant_own": lambda: moe_gemm.quantize_per_group(act, group_k),
+                                      per_channel_quant=False, block_shape=list(FP8_BLOCK) if fp8 else None,
+                                      b_use_tma=use_tma),
         "down_own_plain": lambda: own(None, tma=False),
         "down_own": lambda: own(None),
         "down_own_lora": lambda: own(lora),
@@ -140,6 +151,9 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
         "down_keyed": lambda: own(None, keys=keyed),
         "down_keyed_lora": lambda: own(lora, keys=keyed),
     }
+    if fp8:
+        parts["quant_own"] = lambda: quantize()[0]
+    return parts
 
 
 def floor_ms(nbytes: float, flops: float = 0.0) -> float:
@@ -179,21 +193,23 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
 
     kernels.update(down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, r, use_tma, tiles.block_m))
 
+    builders = {"nohook": lambda: None, "default": lambda: original(hidden, info, ids),
+                "fast": lambda: lora_path.build_hooks(original, hidden, info, ids)}
+
     def whole(kind: str):
         with fused_down(kind == "fused"):
-            hooks = lora_path.build_hooks(original, hidden, info, ids) if kind != "nohook" else None
-            return real_lora.run_runner(problem, hooks, use_tma=use_tma)
+            return real_lora.run_runner(problem, builders.get(kind, builders["fast"])(), use_tma=use_tma)
 
     guard.activate(weight_tma=True)
     with capture_mode():
-        graphs = {kind: capture(lambda k=kind: whole(k))[0] for kind in ("nohook", "fast", "fused")}
+        graphs = {kind: capture(lambda k=kind: whole(k))[0] for kind in ("nohook", "default", "fast", "fused")}
         graphs.update({kernel: capture(fn)[0] for kernel, fn in kernels.items()})
     times = replay_times(graphs)
     del graphs
     moved = traffic(info, ids, width3, inter)
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "block_m": tiles.block_m,
            "pairs_with_delta": moved["pairs_with_delta"], "ms_nohook": times["nohook"], "ms_fast": times["fast"],
-           "ms_fused": times["fused"]}
+           "ms_fused": times["fused"], "ms_default": times["default"], "fast_speedup": times["default"] / times["fast"]}
     for kernel in KERNELS:
         row[f"ms_{kernel}"] = times[kernel]
         if kernel in moved["kernels"]:
@@ -202,7 +218,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
             row[f"tb_s_{kernel}"] = nbytes / (times[kernel] * 1e-3) / 1e12
         if kernel in moved["granule"]:
             row[f"granule_floor_ms_{kernel}"] = floor_ms(*moved["granule"][kernel])
-    row.update({f"ms_{part}": times[part] for part in DOWN_PARTS})
+    row.update({f"ms_{part}": times.get(part) for part in DOWN_PARTS})  # no quantization of a bf16 base
     row["ms_kernels"] = sum(times[k] for k in KERNELS)
     row["floor_ms_weights"] = floor_ms(moved["weights_bytes"])
     row["floor_ms_fusable"] = floor_ms(moved["fusable_bytes"])
@@ -213,11 +229,12 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
 
 
 def markdown(rows, meta) -> str:
-    ms = lambda v: f"{v:.3f}"  # noqa: E731
+    ms = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
     per_kernel = lambda r, k: f"{ms(r[f'ms_{k}'])} / {ms(r[f'floor_ms_{k}'])}" + (  # noqa: E731
         f" / {ms(r[f'granule_floor_ms_{k}'])}" if f"granule_floor_ms_{k}" in r else "")
     return "\n".join([
-        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. ms per call, "
+        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}; base experts "
+        f"{BASE_NAMES[meta.get('base', 'fp8')]}. ms per call, "
         f"CUDA-graph replay, best of 5 x 50 (interleaved). Floors: bytes at {HBM_BYTES_PER_S / 1e12:.1f} TB/s or "
         f"FLOPs at {BF16_FLOPS / 1e12:.0f} TFLOP/s, whichever is larger. Each kernel: measured / its floor (the "
         f"expands also / their floor with B and rank rows read in {GRANULE}-byte granules). "
@@ -225,10 +242,12 @@ def markdown(rows, meta) -> str:
         "fused floor: no hooks + the LoRA weights read once.",
         "",
         tables.markdown(
-            ["shape", "ranks", "tokens", "no hooks", "fast", "fast - no hooks", "route", "shrink gate-up",
+            ["shape", "ranks", "tokens", "no hooks", "SGLang default", "fast", "default / fast", "fast - no hooks",
+             "route", "shrink gate-up",
              "expand gate-up", "shrink down", "expand down", "LoRA weights floor", "fusable", "fused floor",
              "fast / fused floor", "fused", "fused / fused floor"],
-            ([r["shape"], r["ranks"], r["tokens"], ms(r["ms_nohook"]), ms(r["ms_fast"]), ms(r["ms_fast"] - r["ms_nohook"]),
+            ([r["shape"], r["ranks"], r["tokens"], ms(r["ms_nohook"]), ms(r["ms_default"]), ms(r["ms_fast"]),
+              f"{r['fast_speedup']:.2f}x", ms(r["ms_fast"] - r["ms_nohook"]),
               ms(r["ms_route"]), per_kernel(r, "shrink_gu"), per_kernel(r, "expand_gu"), per_kernel(r, "shrink_dn"),
               per_kernel(r, "expand_dn"), ms(r["floor_ms_weights"]), ms(r["floor_ms_fusable"]), ms(r["fused_floor_ms"]),
               f"{r['fast_over_fused_floor']:.2f}", ms(r["ms_fused"]), f"**{r['fused_over_fused_floor']:.2f}**"]
@@ -250,6 +269,7 @@ def markdown(rows, meta) -> str:
 
 def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, TOKENS)
+    add_base_option(parser)
     parser.add_argument("--rank-sets", nargs="+", default=None,
                         help="mixed, or rN (four adapters of rank N); default mixed and r16 (GLM-5.1), mixed (others)")
     return run_batches(parser.parse_args(argv), "lora_moe_kernels", measure, markdown,

@@ -205,7 +205,7 @@ def run_runner(problem: MoEProblem, hooks, *, use_tma: bool) -> torch.Tensor:
         activation=kwargs["activation"], is_gated=kwargs["is_gated"], inplace=True,
     ))
     quant = TritonMoeQuantInfo(
-        w13_weight=problem.w1, w2_weight=problem.w2, use_fp8_w8a8=True,
+        w13_weight=problem.w1, w2_weight=problem.w2, use_fp8_w8a8=kwargs["use_fp8_w8a8"],
         w13_scale=problem.w1_scale, w2_scale=problem.w2_scale, block_shape=kwargs["block_shape"],
     )
     sorted_ids, expert_ids, post_padded = problem.alignment

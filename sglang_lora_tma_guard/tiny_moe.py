@@ -1,9 +1,9 @@
-"""A tiny block-fp8 MoE layer, run through the installed SGLang's own ``_fused_moe_kernel_sequence``:
-what ``check --selftest`` and the demo need to show the TMA bug and its fix on SGLang's real kernels,
-on a GPU natively, on a CPU through Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
-Triton is first imported). The tests and benchmarks use it through ``harness.tiny_moe``, which adds
-what only they call. The LoRA-style hooks add a per-expert low-rank delta to each route's row, in
-place, the way SGLang's LoRA MoE hooks do.
+"""A tiny MoE layer (block-fp8 weights, or 16-bit ones for the benchmarks), run through the installed
+SGLang's own ``_fused_moe_kernel_sequence``: what ``check --selftest`` and the demo need to show the TMA
+bug and its fix on SGLang's real kernels, on a GPU natively, on a CPU through Triton's interpreter
+(``TRITON_INTERPRET=1`` must be set before Triton is first imported). The tests and benchmarks use it
+through ``harness.tiny_moe``, which adds what only they call. The LoRA-style hooks add a per-expert
+low-rank delta to each route's row, in place, the way SGLang's LoRA MoE hooks do.
 """
 
 from __future__ import annotations
@@ -72,13 +72,14 @@ def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
 
 @dataclass
 class MoEProblem:
-    """Weights, routing, kernel configs and LoRA factors for one block-fp8 MoE layer."""
+    """Weights, routing, kernel configs and LoRA factors for one MoE layer: block-fp8 weights with their
+    scales, or 16-bit weights (scales ``None``)."""
 
     hidden_states: torch.Tensor
     w1: torch.Tensor
     w2: torch.Tensor
-    w1_scale: torch.Tensor
-    w2_scale: torch.Tensor
+    w1_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
     config: dict
@@ -88,6 +89,10 @@ class MoEProblem:
     @property
     def num_experts(self) -> int:
         return self.w1.shape[0]
+
+    @property
+    def block_fp8(self) -> bool:
+        return self.w1_scale is not None
 
     @functools.cached_property
     def alignment(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,12 +112,15 @@ def small_config(block_m: int = 16) -> dict:
     }
 
 
-def make_weights(num_experts, hidden, intermediate, *, seed=0, device="cpu"):
-    """Block-fp8 ``w1`` (E, 2I, H) and ``w2`` (E, H, I) with their scales, generated on ``device``."""
+def make_weights(num_experts, hidden, intermediate, *, seed=0, device="cpu", dtype=None):
+    """``w1`` (E, 2I, H) and ``w2`` (E, H, I), generated on ``device``: block fp8 with their scales, or in
+    ``dtype`` (a 16-bit float) with scales ``None``."""
     gen = torch.Generator(device=device).manual_seed(seed)
     w1 = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen, device=device) * 0.05
-    w1, w1_scale = quantize_block_fp8(w1)
     w2 = torch.randn(num_experts, hidden, intermediate, generator=gen, device=device) * 0.05
+    if dtype is not None:
+        return w1.to(dtype), w2.to(dtype), None, None
+    w1, w1_scale = quantize_block_fp8(w1)
     w2, w2_scale = quantize_block_fp8(w2)
     return w1, w2, w1_scale, w2_scale
 
@@ -253,14 +261,14 @@ def _call_shape(function) -> tuple[tuple[str, ...], frozenset[str]]:
 
 
 def sequence_kwargs(problem: MoEProblem, hooks) -> dict:
-    """The keyword arguments SGLang 0.5.16's Triton runner passes, for block-fp8 weights."""
+    """The keyword arguments SGLang 0.5.16's Triton runner passes, for the problem's weights."""
     unset = dict.fromkeys(("b1", "b2", "w1_zp", "w2_zp", "a1_scale", "a2_scale", "routed_scaling_factor",
                            "gemm1_alpha", "gemm1_limit"), None)
     off = dict.fromkeys(("use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16", "per_channel_quant", "no_combine",
                          "apply_router_weight_on_input", "filter_expert"), False)
     return dict(
-        **unset, **off, use_fp8_w8a8=True, w1_scale=problem.w1_scale, w2_scale=problem.w2_scale,
-        block_shape=list(FP8_BLOCK), activation="silu", is_gated=True,
+        **unset, **off, use_fp8_w8a8=problem.block_fp8, w1_scale=problem.w1_scale, w2_scale=problem.w2_scale,
+        block_shape=list(FP8_BLOCK) if problem.block_fp8 else None, activation="silu", is_gated=True,
         inplace=True,  # the out-of-place path asks for a tensor-parallel group
         hooks=hooks,
     )

@@ -75,10 +75,11 @@ def case_params():
 EXPERTS, TOKENS = 8, 10
 
 
-def make_case(name: str, seed: int = 0, **changes):
+def make_case(name: str, seed: int = 0, base_dtype=None, **changes):
+    """The case's problem (block-fp8 experts, or ``base_dtype`` ones) and SGLang's ``LoRAInfo`` for it."""
     case = dataclasses.replace(CASES[name], **changes)
-    problem = tiny_moe.make_problem(num_tokens=TOKENS, num_experts=EXPERTS, topk=case.topk, hidden=case.hidden,
-                                    intermediate=case.intermediate, seed=seed)
+    weights = tiny_moe.make_weights(EXPERTS, case.hidden, case.intermediate, seed=seed, dtype=base_dtype)
+    problem = tiny_moe.make_problem(num_tokens=TOKENS, topk=case.topk, seed=seed, weights=weights)
     ids = problem.topk_ids.clone()
     if case.shared_expert_route:
         ids[:, -1] = EXPERTS - 1
@@ -239,6 +240,34 @@ def test_fast_switch_puts_the_fast_hooks_in_sglangs_runner(sglang_plugins, runne
     reference = expected_moe(problem, ReferenceLoRAHooks(info))
     assert tiny_moe.rel_err(output, reference) < 1e-2
     assert tiny_moe.rel_err(output, expected_moe(problem, None)) > 0.1
+
+
+@pytest.mark.slow  # the fast path's own kernels are the same whatever the base; a second base is for CI
+def test_fast_and_fused_calls_are_right_on_16_bit_experts_in_sglangs_runner(sglang_plugins, runners, monkeypatch):
+    """fp16 experts (SGLang's un-quantized Triton path, what ``--base bf16`` of the LoRA MoE benchmarks runs,
+    and the only one for widths no 128 divides): the fast hooked call in SGLang's runner, and with the fused
+    down launch (its 16-bit GEMM, taken), each right against the float32 reference MoE on the same weights."""
+    from sglang_lora_tma_guard import fused_lora
+
+    problem, info = make_case("mixed-ranks-top2", seed=1, base_dtype=torch.float16, intermediate=96)
+    assert not problem.block_fp8 and tiny_moe.sequence_kwargs(problem, None)["block_shape"] is None
+    taken = []
+    run = fused_lora.DownWork.run
+    monkeypatch.setattr(fused_lora.DownWork, "run", lambda self, a: taken.append(a["C"].shape) or run(self, a))
+    reference = expected_moe(problem, ReferenceLoRAHooks(info))
+    sglang_plugins("fast")
+    hooks = real_lora.lora_hooks(problem, info)
+    assert hooks.after_gate_up.__module__ == FAST
+    fast = real_lora.run_runner(problem, hooks, use_tma=True)
+    fused_lora.activate()
+    try:
+        fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    finally:
+        fused_lora.deactivate()
+    assert taken == [(TOKENS, CASES["mixed-ranks-top2"].topk, problem.w2.shape[1])]  # the 16-bit GEMM ran
+    for output in (fast, fused):
+        assert tiny_moe.rel_err(output, reference) < 1e-2
+    assert tiny_moe.rel_err(fast, expected_moe(problem, None)) > 0.05  # the adapters do change the output
 
 
 # The tiny MoE is gated, and SGLang's block-fp8 quantizer takes no partial K group: odd widths and an
