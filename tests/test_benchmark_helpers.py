@@ -317,6 +317,22 @@ def test_a_failed_compile_warm_up_is_said_and_the_tuning_goes_on_cold(capsys):
     assert "warm-up stopped" in out and "needs a CUDA GPU" in out and "the tuning compiles the rest" in out, out
 
 
+def test_a_block_fp8_table_of_a_shape_128_does_not_divide_is_refused_before_any_gpu_work(tmp_path):
+    """Qwen3-30B-A3B tp4 (intermediate 192): block fp8 is refused with what to run instead; with bf16 experts
+    the same table passes that check and stops only here, where there is no GPU."""
+    from benchmarks import lora_moe_h200, lora_moe_kernels
+
+    for script in (lora_moe_kernels, lora_moe_h200):
+        with pytest.raises(SystemExit) as refused:
+            script.main(["--shapes", "qwen3-30b-tp1", "qwen3-30b-tp4", "--out", str(tmp_path / "refused")])
+        assert str(refused.value) == ("qwen3-30b-tp4: block fp8 needs widths in multiples of 128 (its intermediate "
+                                      "192); run it with --base bf16")
+    with pytest.raises(SystemExit) as no_gpu:
+        lora_moe_kernels.main(["--shapes", "qwen3-30b-tp4", "--base", "bf16", "--out", str(tmp_path / "bf16")])
+    assert "needs a CUDA GPU" in str(no_gpu.value)
+    assert not (tmp_path / "refused").exists()  # refused before its results folder was made
+
+
 @pytest.mark.slow  # about 7 s on CPU: the checkpoint written, transformers' model loaded, 9 greedy generations
 def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tmp_path):
     model, lora = tmp_path / "model", tmp_path / "lora"
