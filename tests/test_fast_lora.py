@@ -426,6 +426,36 @@ def test_token_adapters_from_segments_where_sglang_gives_no_map(runners):
     assert torch.equal(lora_path.token_adapters(older, TOKENS), info.token_lora_mapping)
 
 
+@pytest.mark.parametrize("tokens, topk, block_m", [(1, 8, 16), (3, 2, 16), (5, 8, 32), (8, 8, 16), (60, 1, 64)])
+def test_the_decode_routing_in_registers_groups_the_pairs_as_the_one_program_routing(tokens, topk, block_m,
+                                                                                      monkeypatch):
+    """Up to ``REGISTER_PAIRS`` pairs the routing keeps its counts in registers: the same blocks, keys and
+    ranks, rows in use and empty rows as the one-program routing's (whose atomic slots the interpreter
+    takes in pair order, as the registers do), on batches with base-model tokens, a disabled slot, a slot
+    of rank 0, filtered routes and routes past the LoRA buffers' experts."""
+    experts, slots = 6, 4
+    gen = torch.Generator().manual_seed(tokens * topk)
+    ids = torch.randint(-1, experts + 1, (tokens, topk), generator=gen, dtype=torch.int32)  # -1, and one too far
+    token_lora = torch.randint(-1, slots, (tokens,), generator=gen, dtype=torch.int32)
+    token_lora[0], ids[0, 0] = 0, 0  # at least one pair with a delta
+    enabled = torch.tensor([1, 0, 1, 1], dtype=torch.int32)
+    ranks = torch.tensor([8, 16, 0, 64], dtype=torch.int32)
+    assert tokens * topk <= lora_moe.REGISTER_PAIRS
+    launches = []
+    for name in ("_route_in_registers_kernel", "_route_one_program_kernel"):
+        kernel = getattr(lora_moe, name)
+        monkeypatch.setattr(lora_moe, name, type("Recorded", (), {
+            "__getitem__": lambda self, grid, k=kernel, n=name: launches.append(n) or k[grid]})())
+    ours = lora_moe.route(ids, token_lora, enabled, ranks, experts, block_m)
+    monkeypatch.setattr(lora_moe, "REGISTER_PAIRS", 0)
+    theirs = lora_moe.route(ids, token_lora, enabled, ranks, experts, block_m)
+    assert launches == ["_route_in_registers_kernel", "_route_one_program_kernel"]
+    rows = int(theirs.rows_used)
+    assert rows > 0 and int(ours.rows_used) == rows
+    assert torch.equal(ours.sorted_ids, theirs.sorted_ids)  # every row, the empty ones past rows_used too
+    assert torch.equal(ours.block_key[: rows // block_m], theirs.block_key[: rows // block_m])
+
+
 @pytest.mark.parametrize("num_pairs", [1, 6, 13, 4096 + 3])
 def test_every_routing_buffer_starts_on_16_bytes_whatever_the_batch(num_pairs):
     """Triton specializes each kernel on its pointers' alignment: buffers that moved with the pair count
