@@ -186,3 +186,15 @@ def fused_down(on: bool):
         yield
     finally:
         fused_lora.deactivate()
+
+
+def one_stream(fn):
+    """``fn()`` with the fast hooks built to leave their routing and gate-up shrink in the gate-up hook, on the
+    call's own stream (``lora_path.OVERLAP`` off), as before they ran beside the gate-up GEMM."""
+    from sglang_lora_tma_guard import lora_path
+
+    was, lora_path.OVERLAP = lora_path.OVERLAP, False
+    try:
+        return fn()
+    finally:
+        lora_path.OVERLAP = was

@@ -90,10 +90,17 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     hidden, ids, w = problem.hidden_states, problem.topk_ids, problem.topk_weights
     width1, width3 = c1.shape[2], c3.shape[2]
 
+    built_from = {  # from the runner's own input, as SGLang's MoeRunner.run builds them
+        "default": lambda h: original(h, info, problem.topk_ids),
+        "fast": lambda h: lora_path.build_hooks(original, h, info, problem.topk_ids),
+        "ve": lambda h: original(h, ve_info, problem.topk_ids),
+        "nohook": lambda h: None,
+    }
+
     def whole(kind):
         with fused_down(kind == "fused"):
-            hooks = builders["fast" if kind == "fused" else kind]() if kind != "nohook" else None
-            return real_lora.run_runner(problem, hooks, use_tma=use_tma)
+            return real_lora.run_runner(problem, None, use_tma=use_tma,
+                                        build=built_from["fast" if kind == "fused" else kind])
 
     def lora_only(kind):
         hooks = builders[kind]()

@@ -9,7 +9,9 @@ Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 
 5 x 50, interleaved:
 
 - the hook-less call (SGLang's ``TritonRunnerCore.run``, weight TMA), SGLang's default hooked call
-  (its ``build_lora_hooks``), the fast hooked call, and the fast hooked call with the down expand in the
+  (its ``build_lora_hooks``), the fast hooked call, the same with every LoRA kernel on the call's own
+  stream (``one stream``: ``lora_path.OVERLAP`` off, the routing and gate-up shrink in the gate-up hook,
+  after the gate-up GEMM, instead of beside it), and the fast hooked call with the down expand in the
   down GEMM's epilogue (``fused``: ``sglang_lora_tma_guard.fused_lora``);
 - each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
   gate-up shrink and expand, the down shrink and expand;
@@ -38,7 +40,7 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture, replay_times
-from benchmarks._lora_setup import BASE_NAMES, HBM_BYTES_PER_S, add_base_option, fused_down, lora_batch, run_batches
+from benchmarks._lora_setup import BASE_NAMES, HBM_BYTES_PER_S, add_base_option, fused_down, lora_batch, one_stream, run_batches
 from harness import real_lora, tables
 from sglang_lora_tma_guard import lora_moe, lora_path, tuning
 
@@ -193,23 +195,26 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
 
     kernels.update(down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, r, use_tma, tiles.block_m))
 
-    builders = {"nohook": lambda: None, "default": lambda: original(hidden, info, ids),
-                "fast": lambda: lora_path.build_hooks(original, hidden, info, ids)}
+    builders = {"nohook": lambda h: None, "default": lambda h: original(h, info, ids),  # h: the runner's input
+                "fast": lambda h: lora_path.build_hooks(original, h, info, ids),
+                "one_stream": lambda h: one_stream(lambda: lora_path.build_hooks(original, h, info, ids))}
 
     def whole(kind: str):
         with fused_down(kind == "fused"):
-            return real_lora.run_runner(problem, builders.get(kind, builders["fast"])(), use_tma=use_tma)
+            return real_lora.run_runner(problem, None, use_tma=use_tma, build=builders.get(kind, builders["fast"]))
 
     guard.activate(weight_tma=True)
     with capture_mode():
-        graphs = {kind: capture(lambda k=kind: whole(k))[0] for kind in ("nohook", "default", "fast", "fused")}
+        graphs = {kind: capture(lambda k=kind: whole(k))[0]
+                  for kind in ("nohook", "default", "fast", "one_stream", "fused")}
         graphs.update({kernel: capture(fn)[0] for kernel, fn in kernels.items()})
     times = replay_times(graphs)
     del graphs
     moved = traffic(info, ids, width3, inter)
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "block_m": tiles.block_m,
            "pairs_with_delta": moved["pairs_with_delta"], "ms_nohook": times["nohook"], "ms_fast": times["fast"],
-           "ms_fused": times["fused"], "ms_default": times["default"], "fast_speedup": times["default"] / times["fast"]}
+           "ms_fast_one_stream": times["one_stream"], "ms_fused": times["fused"], "ms_default": times["default"],
+           "fast_speedup": times["default"] / times["fast"]}
     for kernel in KERNELS:
         row[f"ms_{kernel}"] = times[kernel]
         if kernel in moved["kernels"]:
@@ -224,12 +229,14 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     row["floor_ms_fusable"] = floor_ms(moved["fusable_bytes"])
     row["fused_floor_ms"] = times["nohook"] + row["floor_ms_weights"]
     row["fast_over_fused_floor"] = times["fast"] / row["fused_floor_ms"]
+    row["one_stream_over_fused_floor"] = times["one_stream"] / row["fused_floor_ms"]
     row["fused_over_fused_floor"] = times["fused"] / row["fused_floor_ms"]
     return row
 
 
 def markdown(rows, meta) -> str:
     ms = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    ratio = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731  (rows of earlier runs lack the one-stream call)
     per_kernel = lambda r, k: f"{ms(r[f'ms_{k}'])} / {ms(r[f'floor_ms_{k}'])}" + (  # noqa: E731
         f" / {ms(r[f'granule_floor_ms_{k}'])}" if f"granule_floor_ms_{k}" in r else "")
     return "\n".join([
@@ -242,15 +249,17 @@ def markdown(rows, meta) -> str:
         "fused floor: no hooks + the LoRA weights read once.",
         "",
         tables.markdown(
-            ["shape", "ranks", "tokens", "no hooks", "SGLang default", "fast", "default / fast", "fast - no hooks",
+            ["shape", "ranks", "tokens", "no hooks", "SGLang default", "fast", "fast, one stream", "default / fast",
+             "fast - no hooks",
              "route", "shrink gate-up",
              "expand gate-up", "shrink down", "expand down", "LoRA weights floor", "fusable", "fused floor",
-             "fast / fused floor", "fused", "fused / fused floor"],
+             "fast / fused floor", "one stream / fused floor", "fused", "fused / fused floor"],
             ([r["shape"], r["ranks"], r["tokens"], ms(r["ms_nohook"]), ms(r["ms_default"]), ms(r["ms_fast"]),
-              f"{r['fast_speedup']:.2f}x", ms(r["ms_fast"] - r["ms_nohook"]),
+              ms(r.get("ms_fast_one_stream")), f"{r['fast_speedup']:.2f}x", ms(r["ms_fast"] - r["ms_nohook"]),
               ms(r["ms_route"]), per_kernel(r, "shrink_gu"), per_kernel(r, "expand_gu"), per_kernel(r, "shrink_dn"),
               per_kernel(r, "expand_dn"), ms(r["floor_ms_weights"]), ms(r["floor_ms_fusable"]), ms(r["fused_floor_ms"]),
-              f"{r['fast_over_fused_floor']:.2f}", ms(r["ms_fused"]), f"**{r['fused_over_fused_floor']:.2f}**"]
+              f"{r['fast_over_fused_floor']:.2f}", ratio(r.get("one_stream_over_fused_floor")), ms(r["ms_fused"]),
+              f"**{r['fused_over_fused_floor']:.2f}**"]
              for r in rows)),
         "",
         "The fused down GEMM's parts (ms): SGLang's down GEMM; this package's fp8 quantization of its input, its "

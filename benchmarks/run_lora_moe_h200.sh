@@ -3,7 +3,8 @@
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
 # default LoRA MoE path with those tiles; or each kernel of the fast path against its floor (kernels).
 # Results under ${OUT:-results}/.
-#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|tune-ab] [extra arguments for the Python scripts]
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|tune-ab|race] [extra arguments for the Python scripts]
+# race: benchmarks/overlap_race.py (the fast hooks' second stream delayed: right only with the waits).
 # tune-ab: tune, then the kernel table with the tuned tiles and with the shipped ones, alternated twice
 # (under $OUT/tuned1, shipped1, tuned2, shipped2): what the new tiles buy, on one machine. Its arguments
 # go to both scripts (--shapes, --tokens).
@@ -32,4 +33,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = kernels ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.lora_moe_kernels --out "$OUT" "$@"
+fi
+if [ "$what" = race ]; then
+  timeout "${BENCH_S:-280}" python3 -m benchmarks.overlap_race --out "$OUT" "$@"
 fi

@@ -182,12 +182,15 @@ def lora_hooks(problem: MoEProblem, lora_info):
     return build_lora_hooks(problem.hidden_states, lora_info, problem.topk_ids)
 
 
-def run_runner(problem: MoEProblem, hooks, *, use_tma: bool) -> torch.Tensor:
+def run_runner(problem: MoEProblem, hooks, *, use_tma: bool, build=None) -> torch.Tensor:
     """One call of SGLang's ``TritonRunnerCore.run``, as its MoE runner makes it with LoRA.
 
     The runner imports the fused-MoE sequence at call time, so an installed guard is on the path;
     the routing (alignment and tuned configs) is the problem's own, given as SGLang's pre-permute
-    step would give it, with ``down_moe_use_tma`` as its config lookup would decide.
+    step would give it, with ``down_moe_use_tma`` as its config lookup would decide. ``build``
+    (``hooks`` then None): a function of the hidden states that builds the hooks, called as SGLang's
+    ``MoeRunner.run`` calls ``build_lora_hooks``: with the very tensor the runner is then given (here a
+    copy of the problem's, the call being in place).
     """
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.layers.moe.moe_runner.triton import (
@@ -209,8 +212,11 @@ def run_runner(problem: MoEProblem, hooks, *, use_tma: bool) -> torch.Tensor:
         w13_scale=problem.w1_scale, w2_scale=problem.w2_scale, block_shape=kwargs["block_shape"],
     )
     sorted_ids, expert_ids, post_padded = problem.alignment
+    hidden_states = problem.hidden_states.clone()
+    if build is not None:
+        hooks = build(hidden_states)
     runner_input = TritonRunnerInput(
-        hidden_states=problem.hidden_states.clone(), topk_weights=problem.topk_weights,
+        hidden_states=hidden_states, topk_weights=problem.topk_weights,
         topk_ids=problem.topk_ids, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
         num_tokens_post_padded=post_padded,
     )

@@ -11,10 +11,21 @@ looked up at call time (0.5.11-0.5.23), so that module attribute is the seam: a 
 - ``correct`` (the guard's other values): only where SGLang's own virtual-experts path is wrong
   (``--lora-use-virtual-experts`` on a gated MoE, SGLang 0.5.11-0.5.22: the up half of the gate-up
   delta computed from the gate half's A) are the hooks replaced; everything else is SGLang's own.
+
+Beside the gate-up GEMM. The fast hooks are built before SGLang's sequence launches its gate-up GEMM, and
+a batch's routing and gate-up shrink read only what the builder is given (the routes, the hidden states),
+so the builder launches them there, on a second CUDA stream forked from the current one: they run beside
+the base GEMM instead of after it. ``after_gate_up`` makes the current stream wait for them (the join)
+before anything reads their output; ``after_down`` joins too, so no path leaves the fork open. The shrink's
+output is used only if the gate-up hook is given the very tensor the builder was (SGLang's sequence passes
+it on, and writes it, for an in-place call, only after the down GEMM); otherwise the hook computes the
+shrink from what it is given. Under ``torch.compile``, on the CPU and where :data:`OVERLAP` is off, nothing
+runs on a second stream.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -130,7 +141,15 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
     tiles = tuning.plan(tokens * topk, hidden_states.shape[1], lora_info.down_lora_a_weights.shape[3], experts,
                         ranks.numel(), r)
     token_lora = token_adapters(lora_info, tokens)
-    routing = lora_moe.route(topk_ids, token_lora, enabled, ranks, experts, tiles.block_m)
+    early = OVERLAP and not torch.compiler.is_compiling()
+    side = side_stream(hidden_states.device) if early else None
+    with beside(side):  # before the gate-up GEMM, which needs neither
+        routing = lora_moe.route(topk_ids, token_lora, enabled, ranks, experts, tiles.block_m)
+        t_gate_up = None
+        if early and not tiles.gate_up.one_kernel:
+            t_gate_up = lora_moe.shrink(hidden_states, lora_info.gate_up_lora_a_weights, routing, topk=topk,
+                                        max_rank=r, halves=halves, config=tiles.gate_up)
+    join = Join(side)
     shape = tuple(topk_ids.shape)
     theirs = []
     down_work = None
@@ -148,16 +167,22 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
                 and x.dtype == cache.dtype == hidden_states.dtype)
 
     def after_gate_up(hidden, cache1, topk_weights, topk_ids_now):
+        join()
         if (tuple(topk_ids_now.shape) != shape or cache1.shape[2] != lora_info.gate_up_lora_b_weights.shape[2]
                 or not fits(hidden, cache1, tokens, hidden_states.shape[1])):
             _say_once("a gate-up call whose buffers differ from its batch's")
             return sglang_hooks().after_gate_up(hidden, cache1, topk_weights, topk_ids_now)
-        lora_moe.add_delta(cache1, hidden, lora_info.gate_up_lora_a_weights, lora_info.gate_up_lora_b_weights,
-                           routing, max_rank=r, halves=halves, config=tiles.gate_up)
+        if t_gate_up is not None and hidden is hidden_states:
+            lora_moe.expand(cache1, t_gate_up, lora_info.gate_up_lora_b_weights, routing, max_rank=r, halves=halves,
+                            topk_weights=None, config=tiles.gate_up)
+        else:
+            lora_moe.add_delta(cache1, hidden, lora_info.gate_up_lora_a_weights, lora_info.gate_up_lora_b_weights,
+                               routing, max_rank=r, halves=halves, config=tiles.gate_up)
         if down_work is not None:
             fused_lora.offer(down_work)  # the down launch that follows may add the down delta itself
 
     def after_down(activation, cache3, topk_weights, topk_ids_now):
+        join()
         if down_work is not None and down_work.took(cache3):
             return  # the down GEMM added it in its epilogue
         if (tuple(topk_ids_now.shape) != shape or cache3.shape[2] != lora_info.down_lora_b_weights.shape[2]
@@ -168,6 +193,56 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
                            routing, max_rank=r, halves=1, topk_weights=topk_weights, config=tiles.down)
 
     return module.LoRAHooks(after_gate_up=after_gate_up, after_down=after_down)
+
+
+OVERLAP = True
+"""Launch a fast batch's routing and gate-up shrink when its hooks are built, beside the gate-up GEMM (see the
+module docstring). Off (benchmarks' A/B), they run in the gate-up hook, after the GEMM, on its stream."""
+
+_side_streams: dict = {}
+
+
+def side_stream(device):
+    """The second stream of ``device`` (one a device, made on first use), or None: not a CUDA device, or a
+    graph being captured before the stream exists (SGLang runs each batch size once before its capture)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _side_streams.get(index)
+    if stream is None and not torch.cuda.is_current_stream_capturing():
+        stream = _side_streams[index] = torch.cuda.Stream(index)
+    return stream
+
+
+@contextlib.contextmanager
+def beside(side):
+    """Run the block's launches on ``side`` after what the current stream holds so far (None: on the current
+    stream). Their tensors are allocated on ``side``: freed, the caching allocator gives them only to later
+    work on ``side``, which the next fork orders after everything the current stream holds then."""
+    if side is None:
+        yield
+        return
+    import torch
+
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+class Join:
+    """Calling it makes the current stream wait for the work launched on ``side`` (once; None: nothing to wait for)."""
+
+    def __init__(self, side):
+        self.side = side
+
+    def __call__(self) -> None:
+        side, self.side = self.side, None
+        if side is not None:
+            import torch
+
+            torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 def sglang_hooks_for(original, hidden_states, lora_info, topk_ids):

@@ -242,6 +242,51 @@ def test_fast_switch_puts_the_fast_hooks_in_sglangs_runner(sglang_plugins, runne
     assert tiny_moe.rel_err(output, expected_moe(problem, None)) > 0.1
 
 
+def test_the_gate_up_shrink_launched_with_the_hooks_leaves_sglangs_call_bit_for_bit(sglang_plugins, runners,
+                                                                                    monkeypatch):
+    """The routing and gate-up shrink launched when the hooks are built (``lora_path.OVERLAP``; on a GPU on a
+    second stream, beside the gate-up GEMM): SGLang's runner gives the very output it gives with the shrink in
+    the gate-up hook, and the shrink runs once, at the build. (On the CPU both run on one stream: that the
+    gate-up hook waits for the second stream is shown on the H200, benchmarks/overlap_race.py.)"""
+    problem, info = make_case("mixed-ranks-top2", seed=2)
+    sglang_plugins("fast")  # the guard keeps the hooked call route-major (SGLang 0.5.16 would take TMA here)
+    shrink, outputs, at_build = lora_moe.shrink, {}, {}
+    for overlap in (False, True):
+        monkeypatch.setattr(lora_path, "OVERLAP", overlap)
+        calls = []
+        monkeypatch.setattr(lora_moe, "shrink", lambda *a, **k: calls.append(a[0]) or shrink(*a, **k))
+
+        def build(hidden):  # as SGLang's MoeRunner.run: from the tensor the runner is given
+            hooks = lora_path.build_hooks(sglang_build(runners), hidden, info, problem.topk_ids)
+            at_build[overlap] = (hidden, list(calls))
+            return hooks
+
+        outputs[overlap] = real_lora.run_runner(problem, None, use_tma=True, build=build)
+        assert len(calls) == 2, overlap  # gate-up and down, once each
+    hidden, early = at_build[True]
+    assert at_build[False][1] == [] and len(early) == 1 and early[0] is hidden
+    assert torch.equal(outputs[True], outputs[False])
+    assert tiny_moe.rel_err(outputs[True], expected_moe(problem, ReferenceLoRAHooks(info))) < 1e-2
+
+
+def test_a_gate_up_hook_given_other_hidden_states_than_its_builder_shrinks_those(runners):
+    """The shrink launched at the build is of the builder's hidden states; a gate-up hook called with another
+    tensor (no SGLang sequence does: a wrapper that copied them would) computes its delta from what it is given."""
+    problem, info = make_case("mixed-ranks-top2", seed=3)
+    hooks = lora_path.build_hooks(sglang_build(runners), problem.hidden_states, info, problem.topk_ids)
+    other = problem.hidden_states.flip(0).contiguous()
+
+    def gate_up_delta(hooks, hidden):
+        tokens, topk = problem.topk_ids.shape
+        c1 = torch.zeros(tokens, topk, info.gate_up_lora_b_weights.shape[2], dtype=hidden.dtype)
+        hooks.after_gate_up(hidden, c1, problem.topk_weights, problem.topk_ids)
+        return c1.float()
+
+    fast = gate_up_delta(hooks, other)
+    assert errors([fast], [gate_up_delta(ReferenceLoRAHooks(info), other)])[0] < TOLERANCE
+    assert errors([fast], [gate_up_delta(ReferenceLoRAHooks(info), problem.hidden_states)])[0] > 0.1
+
+
 @pytest.mark.slow  # the fast path's own kernels are the same whatever the base; a second base is for CI
 def test_fast_and_fused_calls_are_right_on_16_bit_experts_in_sglangs_runner(sglang_plugins, runners, monkeypatch):
     """fp16 experts (SGLang's un-quantized Triton path, what ``--base bf16`` of the LoRA MoE benchmarks runs,

@@ -3,7 +3,8 @@
 # see benchmarks/e2e/setup_there.sh): real SGLang 0.5.16 servers on a model with Qwen3-30B-A3B's layer
 # shapes (make_model.py), one after the other on GPU 0: no LoRA, SGLang's default LoRA MoE path
 # (SGLANG_LORA_TMA_GUARD=1), this package's fast path (=fast), and on request ("fused") the fast path
-# with the down delta in the down GEMM's epilogue (placed by fused_site/sitecustomize.py). Each:
+# with the down delta in the down GEMM's epilogue (placed by fused_site/sitecustomize.py) or
+# ("onestream") the fast path with all its LoRA kernels on the MoE call's stream (onestream_site/). Each:
 # correctness requests, decode and prefill throughput, a profile of a prefill wave and of steady
 # decoding (client.py run, load, profile; the profile summarized by profile.py). "score": every run so
 # far scored against transformers' fp32 model with each adapter merged (benchmarks/serving/reference.py),
@@ -59,6 +60,7 @@ for name in "${names[@]}"; do
     default) serve default 32001 1 yes ;;
     fast) serve fast 32002 fast yes ;;
     fused) serve fused 32004 fast yes PYTHONPATH="$PWD/benchmarks/fast_lora/fused_site:$PYTHONPATH" ;;
+    onestream) serve onestream 32005 fast yes PYTHONPATH="$PWD/benchmarks/fast_lora/onestream_site:$PYTHONPATH" ;;
     nolora) serve nolora 32003 1 no ;;
     score)
       runs=("$keep"/run-*.json)
@@ -67,6 +69,6 @@ for name in "${names[@]}"; do
         python3 -m benchmarks.fast_lora.client compare "$keep/run-default.json" "$keep/run-fast.json" > "$OUT/verdict.json"
         head -8 "$OUT/verdict.json"
       fi ;;
-    *) echo "unknown name $name (default, fast, fused, nolora, score)"; exit 2 ;;
+    *) echo "unknown name $name (default, fast, fused, onestream, nolora, score)"; exit 2 ;;
   esac
 done
