@@ -9,6 +9,9 @@
         decode throughput at 1, 16 and 64 concurrent requests (128 new tokens), and prefill throughput
         (32 concurrent prompts of 1024 tokens, 1 new token): one warm-up wave, then 5 timed, all kept
         with their median
+    python -m benchmarks.fast_lora.client single PORT OUT.json [lora]
+        decode throughput at 1 request only, 20 timed waves after a warm-up (one wave is a third of a second:
+        load's 5 of them leave a spread of 1.5x on a noisy host)
     python -m benchmarks.fast_lora.client profile PORT TRACE_DIR [lora]
         SGLang's torch profiler (/start_profile ... /stop_profile) over one prefill wave (32 prompts of
         1024 tokens, 1 new token) and over 0.3 s of steady decoding (64 concurrent requests, 256 new
@@ -92,6 +95,15 @@ def load(port: int, lora: bool) -> dict:
     return result
 
 
+SINGLE_WAVES = 20
+
+
+def single(port: int, lora: bool) -> dict:
+    kinds = ADAPTERS if lora else [None]
+    jobs = [(prompt(300, 32), kinds[0])]
+    return {"decode_c1_tok_s": timed_waves(lambda: tokens_of(wave(port, jobs, 128)), SINGLE_WAVES)}
+
+
 def compare(default: dict, fast: dict) -> dict:
     """Per request: equal, or the first differing position with the gap there, read from the default
     run's top 5 (log p of its token minus log p of the fast run's token; inf when that is not in its top 5)."""
@@ -121,13 +133,13 @@ def main(argv) -> int:
     if argv[0] == "profile":
         profile(int(argv[1]), argv[2], lora)
         return 0
-    if argv[0] in ("run", "load"):
-        result = run(int(argv[1]), lora) if argv[0] == "run" else load(int(argv[1]), lora)
+    if argv[0] in ("run", "load", "single"):
+        result = {"run": run, "load": load, "single": single}[argv[0]](int(argv[1]), lora)
         if argv[0] == "run":
             result["name"] = os.path.basename(argv[2]).removesuffix(".json").removeprefix("run-")
         with open(argv[2], "w") as f:
             json.dump(result, f)
-        if argv[0] == "load":
+        if argv[0] != "run":
             print(json.dumps(result))
         return 0
     with open(argv[1]) as default, open(argv[2]) as fast:

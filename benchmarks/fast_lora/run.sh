@@ -11,7 +11,8 @@
 # then the fast run compared with the default one.
 #   bash benchmarks/fast_lora/run.sh [names...]    (default: default fast nolora score); results under ${OUT:-results}/
 # LAYERS (default 3): the model's depth; 16 makes a decode step GPU-bound. DTYPE=float16|bfloat16 (default
-# bfloat16): the servers' --dtype. STEPS (default "run load profile"): which of the client's steps each
+# bfloat16): the servers' --dtype. STEPS (default "run load profile"; also "single": decode at 1 request
+# only, more waves, one file per server as names may repeat): which of the client's steps each
 # server takes; PROFILE_STACK=0: the profile's traces without Python stacks. The runs are kept on the
 # machine too ($E2E/runs-L$LAYERS), so "score" may come in a later call than the servers.
 set -euo pipefail
@@ -44,6 +45,10 @@ serve() {  # NAME PORT GUARD_VALUE LORA(yes|no) [VAR=VALUE ...]
         run) python3 -m benchmarks.fast_lora.client run "$port" "$OUT/run-$name.json" $tag
              cp "$OUT/run-$name.json" "$keep/" ;;
         load) python3 -m benchmarks.fast_lora.client load "$port" "$OUT/load-$name.json" $tag | sed "s/^/== $name load: /" ;;
+        single) local i=1  # a name may come more than once (A/B/A): each server its own file
+                while [ -f "$OUT/single-$name-$i.json" ]; do i=$((i + 1)); done
+                python3 -m benchmarks.fast_lora.client single "$port" "$OUT/single-$name-$i.json" $tag \
+                  | sed "s/^/== $name single $i: /" ;;
         profile) rm -rf "$keep/trace-$name"
                  python3 -m benchmarks.fast_lora.client profile "$port" "$keep/trace-$name" $tag
                  python3 -m benchmarks.fast_lora.profile "$keep/trace-$name" "$name" "$OUT/profile-$name.json" || true ;;
