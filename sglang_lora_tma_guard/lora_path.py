@@ -16,7 +16,8 @@ Beside the gate-up GEMM. The fast hooks are built before SGLang's sequence launc
 a batch's routing and gate-up shrink read only what the builder is given (the routes, the hidden states),
 so the builder launches them there, on a second CUDA stream forked from the current one: they run beside
 the base GEMM instead of after it. ``after_gate_up`` makes the current stream wait for them (the join)
-before anything reads their output; ``after_down`` joins too, so no path leaves the fork open. The shrink's
+before anything reads their output (and only then lets go of the builder's tensors they read, so that none is
+reused while they run); ``after_down`` joins too, so no path leaves the fork open. The shrink's
 output is used only if the gate-up hook is given the very tensor the builder was (SGLang's sequence passes
 it on, and writes it, for an in-place call, only after the down GEMM); otherwise the hook computes the
 shrink from what it is given. Under ``torch.compile``, on the CPU and where :data:`OVERLAP` is off, nothing
@@ -149,7 +150,7 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
         if early and not tiles.gate_up.one_kernel:
             t_gate_up = lora_moe.shrink(hidden_states, lora_info.gate_up_lora_a_weights, routing, topk=topk,
                                         max_rank=r, halves=halves, config=tiles.gate_up)
-    join = Join(side)
+    join = Join(side, topk_ids, token_lora, enabled, ranks)  # what the second stream reads lives until the join
     shape = tuple(topk_ids.shape)
     theirs = []
     down_work = None
@@ -232,13 +233,16 @@ def beside(side):
 
 
 class Join:
-    """Calling it makes the current stream wait for the work launched on ``side`` (once; None: nothing to wait for)."""
+    """Calling it makes the current stream wait for the work launched on ``side`` (once; None: nothing to wait
+    for), then lets go of ``inputs``, the current stream's tensors that work reads. Until then none of them is
+    freed: the caching allocator would hand a freed block at once to the current stream's next allocation (the
+    gate-up GEMM's output), which the current stream may write while the second one still reads the block."""
 
-    def __init__(self, side):
-        self.side = side
+    def __init__(self, side, *inputs):
+        self.side, self.inputs = side, inputs
 
     def __call__(self) -> None:
-        side, self.side = self.side, None
+        side, self.side, self.inputs = self.side, None, ()
         if side is not None:
             import torch
 

@@ -287,6 +287,26 @@ def test_a_gate_up_hook_given_other_hidden_states_than_its_builder_shrinks_those
     assert errors([fast], [gate_up_delta(ReferenceLoRAHooks(info), problem.hidden_states)])[0] > 0.1
 
 
+def test_the_tensors_the_second_stream_reads_live_until_the_gate_up_hook_waits_for_it(runners, monkeypatch):
+    """The builder's own tensors that the routing reads (each token's adapter, made here from SGLang's segments on
+    0.5.11-0.5.12, or a copy of another dtype) are held until the gate-up hook's wait: freed at the build's end,
+    their blocks would go to the gate-up GEMM's output while the second stream may still read them."""
+    import gc
+    import weakref
+
+    problem, info = make_case("mixed-ranks-top2", seed=1)
+    made = []
+    adapters = lora_path.token_adapters
+    monkeypatch.setattr(lora_path, "token_adapters", lambda *a: made.append(adapters(*a).clone()) or made[-1])
+    hooks = lora_path.build_hooks(sglang_build(runners), problem.hidden_states, info, problem.topk_ids)
+    token_lora = weakref.ref(made.pop())
+    gc.collect()
+    assert token_lora() is not None  # the build is over; the wait has not come
+    run_hooks(hooks, problem, info)
+    gc.collect()
+    assert token_lora() is None  # let go once waited for
+
+
 @pytest.mark.slow  # the fast path's own kernels are the same whatever the base; a second base is for CI
 def test_fast_and_fused_calls_are_right_on_16_bit_experts_in_sglangs_runner(sglang_plugins, runners, monkeypatch):
     """fp16 experts (SGLang's un-quantized Triton path, what ``--base bf16`` of the LoRA MoE benchmarks runs,
