@@ -82,28 +82,22 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     problem, info, use_tma, act, c1, c3 = (batch.problem, batch.info, batch.use_tma, batch.act, batch.cache1,
                                            batch.cache3)
     ve_info = dataclasses.replace(info, lora_use_virtual_experts=True)
-    builders = {
-        "default": lambda: original(problem.hidden_states, info, problem.topk_ids),
-        "fast": lambda: lora_path.build_hooks(original, problem.hidden_states, info, problem.topk_ids),
-        "ve": lambda: original(problem.hidden_states, ve_info, problem.topk_ids),
-    }
-    hidden, ids, w = problem.hidden_states, problem.topk_ids, problem.topk_weights
-    width1, width3 = c1.shape[2], c3.shape[2]
-
-    built_from = {  # from the runner's own input, as SGLang's MoeRunner.run builds them
+    builders = {  # from the hidden states they are then given, as SGLang's MoeRunner.run builds them
         "default": lambda h: original(h, info, problem.topk_ids),
         "fast": lambda h: lora_path.build_hooks(original, h, info, problem.topk_ids),
         "ve": lambda h: original(h, ve_info, problem.topk_ids),
         "nohook": lambda h: None,
     }
+    hidden, ids, w = problem.hidden_states, problem.topk_ids, problem.topk_weights
+    width1, width3 = c1.shape[2], c3.shape[2]
 
     def whole(kind):
         with fused_down(kind == "fused"):
             return real_lora.run_runner(problem, None, use_tma=use_tma,
-                                        build=built_from["fast" if kind == "fused" else kind])
+                                        build=builders["fast" if kind == "fused" else kind])
 
     def lora_only(kind):
-        hooks = builders[kind]()
+        hooks = builders[kind](hidden)
         hooks.after_gate_up(hidden, c1, w, ids)
         hooks.after_down(act, c3, w, ids)
         return c3
