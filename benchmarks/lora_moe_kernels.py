@@ -236,7 +236,6 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
 
 def markdown(rows, meta) -> str:
     ms = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
-    ratio = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731  (rows of earlier runs lack the one-stream call)
     per_kernel = lambda r, k: f"{ms(r[f'ms_{k}'])} / {ms(r[f'floor_ms_{k}'])}" + (  # noqa: E731
         f" / {ms(r[f'granule_floor_ms_{k}'])}" if f"granule_floor_ms_{k}" in r else "")
     return "\n".join([
@@ -255,10 +254,10 @@ def markdown(rows, meta) -> str:
              "expand gate-up", "shrink down", "expand down", "LoRA weights floor", "fusable", "fused floor",
              "fast / fused floor", "one stream / fused floor", "fused", "fused / fused floor"],
             ([r["shape"], r["ranks"], r["tokens"], ms(r["ms_nohook"]), ms(r["ms_default"]), ms(r["ms_fast"]),
-              ms(r.get("ms_fast_one_stream")), f"{r['fast_speedup']:.2f}x", ms(r["ms_fast"] - r["ms_nohook"]),
+              ms(r["ms_fast_one_stream"]), f"{r['fast_speedup']:.2f}x", ms(r["ms_fast"] - r["ms_nohook"]),
               ms(r["ms_route"]), per_kernel(r, "shrink_gu"), per_kernel(r, "expand_gu"), per_kernel(r, "shrink_dn"),
               per_kernel(r, "expand_dn"), ms(r["floor_ms_weights"]), ms(r["floor_ms_fusable"]), ms(r["fused_floor_ms"]),
-              f"{r['fast_over_fused_floor']:.2f}", ratio(r.get("one_stream_over_fused_floor")), ms(r["ms_fused"]),
+              f"{r['fast_over_fused_floor']:.2f}", f"{r['one_stream_over_fused_floor']:.2f}", ms(r["ms_fused"]),
               f"**{r['fused_over_fused_floor']:.2f}**"]
              for r in rows)),
         "",

@@ -242,11 +242,12 @@ class Join:
         self.side, self.inputs = side, inputs
 
     def __call__(self) -> None:
-        side, self.side, self.inputs = self.side, None, ()
+        side, self.side = self.side, None
         if side is not None:
             import torch
 
             torch.cuda.current_stream(side.device).wait_stream(side)
+        self.inputs = ()
 
 
 def sglang_hooks_for(original, hidden_states, lora_info, topk_ids):
