@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launching import launcher
 from .moe_gemm import _granule, cdiv, rank_granule
 
 ROUTE_BLOCK = 1024
@@ -288,9 +289,10 @@ class _Scratch:
     def place(self, num_pairs: int, block_m: int) -> None:
         """After the count: each key's first row, then every pair into its row (two launches)."""
         num_keys, rows = self.counts.numel(), self.sorted_ids.numel()
-        _offsets_kernel[(1,)](self.counts, self.offsets, self.rows_used, self.sorted_ids, num_keys, rows, num_pairs,
-                              BLOCK_M=block_m, BLOCK_KEYS=ROUTE_BLOCK, BLOCK_FILL=ROUTE_BLOCK)
-        _scatter_kernel[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
+        launcher(_offsets_kernel)[(1,)](
+            self.counts, self.offsets, self.rows_used, self.sorted_ids, num_keys, rows, num_pairs,
+            BLOCK_M=block_m, BLOCK_KEYS=ROUTE_BLOCK, BLOCK_FILL=ROUTE_BLOCK)
+        launcher(_scatter_kernel)[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
             self.keys, self.slots, self.offsets, self.sorted_ids, self.block_key, num_pairs, BLOCK_M=block_m,
             BLOCK=ROUTE_BLOCK)
 
@@ -305,19 +307,19 @@ def _route(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts: int, 
     b = _Scratch.of(num_pairs, num_keys, block_m, topk_ids.device)
     topk_ids = topk_ids.contiguous()
     if num_pairs <= REGISTER_PAIRS:
-        _route_in_registers_kernel[(1,)](topk_ids, token_lora, adapter_enabled, lora_ranks, b.rows_used, b.sorted_ids,
-                                         b.block_key, num_pairs, num_loras, num_experts, b.sorted_ids.numel(),
-                                         TOPK=topk, BLOCK_M=block_m, PAIRS=max(16, triton.next_power_of_2(num_pairs)),
-                                         BLOCK_FILL=ROUTE_BLOCK)
+        launcher(_route_in_registers_kernel)[(1,)](
+            topk_ids, token_lora, adapter_enabled, lora_ranks, b.rows_used, b.sorted_ids, b.block_key, num_pairs,
+            num_loras, num_experts, b.sorted_ids.numel(),
+            TOPK=topk, BLOCK_M=block_m, PAIRS=max(16, triton.next_power_of_2(num_pairs)), BLOCK_FILL=ROUTE_BLOCK)
         return b.routing(block_m, num_pairs, num_experts)
     if num_pairs <= ONE_PROGRAM_PAIRS:
-        _route_one_program_kernel[(1,)](topk_ids, token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots,
-                                        b.offsets, b.rows_used, b.sorted_ids, b.block_key, num_pairs, num_loras,
-                                        num_experts, num_keys, b.sorted_ids.numel(), TOPK=topk, BLOCK_M=block_m,
-                                        BLOCK=ROUTE_BLOCK)
+        launcher(_route_one_program_kernel)[(1,)](
+            topk_ids, token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots, b.offsets, b.rows_used,
+            b.sorted_ids, b.block_key, num_pairs, num_loras, num_experts, num_keys, b.sorted_ids.numel(),
+            TOPK=topk, BLOCK_M=block_m, BLOCK=ROUTE_BLOCK)
         return b.routing(block_m, num_pairs, num_experts)
     b.counts.zero_()
-    _count_kernel[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
+    launcher(_count_kernel)[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
         topk_ids, token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots, num_pairs, num_loras,
         num_experts, TOPK=topk, BLOCK=ROUTE_BLOCK)
     b.place(num_pairs, block_m)
@@ -361,7 +363,7 @@ def route_all(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled:
     assert num_experts * (num_loras + 1) + 1 <= MAX_KEYS, (num_experts, num_loras)
     b = _Scratch.of(num_pairs, num_experts * (num_loras + 1) + 1, block_m, topk_ids.device)
     b.counts.zero_()
-    _count_all_kernel[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
+    launcher(_count_all_kernel)[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
         topk_ids.contiguous(), token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots, num_pairs,
         num_loras, num_experts, lora_experts, TOPK=topk, BLOCK=ROUTE_BLOCK)
     b.place(num_pairs, block_m)
@@ -658,7 +660,7 @@ def one_kernel(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
     half_width = width // halves
     weights = topk_weights.reshape(-1) if topk_weights is not None else x
     groups = cdiv(cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
-    _hook_kernel[(routing.max_blocks, halves * groups)](
+    launcher(_hook_kernel)[(routing.max_blocks, halves * groups)](
         x, lora_a, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used,
         routing.num_pairs, x.shape[1], half_width, routing.num_experts, max_rank,
         x.stride(0), x.stride(1), lora_a.stride(0), _expert_stride(lora_a), lora_a.stride(2), lora_a.stride(3),
@@ -680,7 +682,7 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, *, topk: int
     pairs_per_x = topk if x.shape[0] != num_pairs else 1
     alloc = torch.zeros if c.split_k > 1 else torch.empty
     t = alloc(num_pairs, halves * max_rank, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(routing.max_blocks, cdiv(max_rank, c.shrink_block_r), c.split_k)](
+    launcher(_shrink_kernel)[(routing.max_blocks, cdiv(max_rank, c.shrink_block_r), c.split_k)](
         x, lora_a, t, routing.sorted_ids, routing.block_key, routing.rows_used,
         num_pairs, x.shape[1], routing.num_experts, max_rank,
         x.stride(0), x.stride(1), lora_a.stride(0), _expert_stride(lora_a), lora_a.stride(2), lora_a.stride(3),
@@ -699,7 +701,7 @@ def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Ro
     half_width = out.shape[2] // halves
     weights = topk_weights.reshape(-1) if topk_weights is not None else t
     groups = cdiv(cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
-    _expand_kernel[(routing.max_blocks, halves * groups)](
+    launcher(_expand_kernel)[(routing.max_blocks, halves * groups)](
         t, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used,
         routing.num_pairs, half_width, routing.num_experts, max_rank,
         t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),

@@ -1,0 +1,124 @@
+"""The fast path's direct launches against Triton's own, on a GPU: the same hooked call, bit for bit?
+
+    python -m benchmarks.launch_check [--shapes qwen3-30b-tp1 glm51-fp8-tp8] [--tokens 1 8 64 1024 8192]
+
+:mod:`sglang_lora_tma_guard.launching` launches each kernel variant through Triton's own path once and then
+through the compiled kernel's launcher, under a key of its own. Per batch, the whole hooked call through
+SGLang's runner (weight TMA, the guard on, the fast hooks): every launch through Triton's path (``DIRECT``
+off) is the reference; then, after one call that fills the keys, the same call with direct launches, eager
+and captured in a CUDA graph and replayed, compared bit for bit (the same kernels on the same inputs: bit
+identity is what is promised). ``direct launches`` counts the launches of the eager call that went the
+direct way (none would mean the check compared Triton's path with itself). Writes ``launch_check.json`` /
+``.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+import sglang_lora_tma_guard as guard
+from benchmarks._bench import benchmark_parser, capture
+from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
+from harness import real_lora, tables
+from sglang_lora_tma_guard import launching, lora_path
+
+
+@contextlib.contextmanager
+def direct(on: bool):
+    saved, launching.DIRECT = launching.DIRECT, on
+    try:
+        yield
+    finally:
+        launching.DIRECT = saved
+
+
+class _Counted:
+    """A compiled kernel whose direct launches are counted."""
+
+    def __init__(self, kernel, counter: list):
+        self.kernel, self.counter = kernel, counter
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def counted(*args):
+            launch(*args)  # a refused launch raises before it is counted
+            self.counter[0] += 1
+
+        return counted
+
+
+@contextlib.contextmanager
+def counted_direct_launches():
+    """The number of direct launches since entry, as ``counter[0]``: every kept variant wrapped."""
+    counter, saved = [0], []
+    for cached in _launchers():
+        for key, (kernel, rest) in list(cached.kernels.items()):
+            saved.append((cached, key, kernel, rest))
+            cached.kernels[key] = _Counted(kernel, counter), rest
+    try:
+        yield counter
+    finally:
+        for cached, key, kernel, rest in saved:
+            cached.kernels[key] = kernel, rest
+
+
+def _launchers():
+    from sglang_lora_tma_guard import lora_moe
+
+    return [launching.launcher(getattr(lora_moe, name)) for name in dir(lora_moe) if name.endswith("_kernel")]
+
+
+def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
+    from sglang.srt.lora import lora_moe_runners as runners
+
+    batch = lora_batch(shape, ranks_name, tokens, weights)
+    problem, info = batch.problem, batch.info
+    original = runners.build_lora_hooks
+
+    def call():
+        return real_lora.run_runner(problem, None, use_tma=batch.use_tma,
+                                    build=lambda h: lora_path.build_hooks(original, h, info, problem.topk_ids))
+
+    guard.activate(weight_tma=True)
+    with direct(False):
+        reference = call().clone()
+    with direct(True):
+        call()  # each variant once through Triton's path: its key kept
+        with counted_direct_launches() as counter:
+            eager = call().clone()
+        launches = counter[0]
+        with capture_mode():
+            graph, graphed = capture(call)
+        graphed.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+    return {"shape": name, "ranks": ranks_name, "tokens": tokens, "direct_launches": launches,
+            "eager_equal": torch.equal(eager, reference), "graph_equal": torch.equal(graphed, reference)}
+
+
+def markdown(rows, meta) -> str:
+    return "\n".join([
+        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. The fast hooked call "
+        "with direct launches against the same call through Triton's own launch path, bit for bit.", "",
+        tables.markdown(["shape", "ranks", "tokens", "direct launches", "eager", "CUDA graph"],
+                        ([r["shape"], r["ranks"], r["tokens"], r["direct_launches"],
+                          "equal" if r["eager_equal"] else "**DIFFERS**",
+                          "equal" if r["graph_equal"] else "**DIFFERS**"] for r in rows)),
+    ]) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = benchmark_parser(__doc__, [1, 8, 64, 1024, 8192])
+    add_base_option(parser)
+    parser.set_defaults(shapes=["qwen3-30b-tp1", "glm51-fp8-tp8"])
+    args = parser.parse_args(argv)
+    args.rank_sets = ["mixed"]
+    return run_batches(args, "launch_check", measure, markdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
