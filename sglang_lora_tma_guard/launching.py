@@ -43,6 +43,16 @@ def argument_key(value):
     raise TypeError(f"an argument of type {type(value).__name__}")
 
 
+def arguments_key(args) -> tuple:
+    """:func:`argument_key` of each argument; tensors and ints (nearly all of them) inline, at half the cost."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if a.__class__ is _Tensor
+                  else (a == 1, not a & 15, -(2**31) <= a < 2**31, a >= 2**63) if a.__class__ is int
+                  else argument_key(a) for a in args])
+
+
+_Tensor = torch.Tensor
+
+
 class Launcher:
     """``Launcher(fn)[grid](*args, **kwargs)`` launches as ``fn[grid](*args, **kwargs)`` does: positional
     arguments are the kernel's runtime ones, keywords its constexprs and launch options."""
@@ -59,7 +69,7 @@ class Launcher:
         if not (DIRECT and self.direct):
             return self.fn[grid](*args, **kwargs)
         try:
-            key = (torch.cuda.current_device(), tuple(map(argument_key, args)), tuple(kwargs.items()))
+            key = (torch.cuda.current_device(), arguments_key(args), tuple(kwargs.items()))
         except TypeError:
             return self.fn[grid](*args, **kwargs)
         known = self.kernels.get(key)

@@ -365,3 +365,11 @@ def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tm
     for r in requests:
         ref.use(r["adapter"])
         assert ref.score(r["prompt"], r["output"])["bad"] == 0
+
+
+def test_the_launch_key_timing_runs_both_keys_on_a_real_expand_s_arguments(capsys):
+    from benchmarks import launch_key_time
+
+    assert launch_key_time.main(["--repeats", "1", "--number", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "19 positional arguments" in out and "per argument:" in out and "inline (the launcher's):" in out

@@ -126,3 +126,10 @@ def test_a_constexpr_given_by_position_is_never_launched_directly(fn):
 def test_the_interpreter_s_kernels_always_take_triton_s_path():
     # These tests run SGLang's and this package's kernels through Triton's interpreter: no JITFunction there.
     assert not launching.launcher(lora_moe._expand_kernel).direct
+
+
+def test_the_inline_key_of_a_launch_is_each_argument_s_own_key():
+    t = torch.zeros(64)
+    args = (t, t[1:], t.half(), torch.nn.Parameter(t), 0, 1, 16, 17, -16, -17, 2**31 - 1, 2**31, 2**63, True, False,
+            1.5)
+    assert launching.arguments_key(args) == tuple(map(launching.argument_key, args))
