@@ -3,8 +3,10 @@
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
 # default LoRA MoE path with those tiles; or each kernel of the fast path against its floor (kernels).
 # Results under ${OUT:-results}/.
-#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|tune-ab|race] [extra arguments for the Python scripts]
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|tune-ab|race|launch] [extra arguments for the Python scripts]
 # race: benchmarks/overlap_race.py (the fast hooks' second stream delayed: right only with the waits).
+# launch: benchmarks/launch_check.py (direct launches bit for bit Triton's own), then the hooks' host time a
+# layer (benchmarks/hook_host_time.py --cuda) into $OUT/host-cuda.txt.
 # tune-ab: tune, then the kernel table with the tuned tiles and with the shipped ones, alternated twice
 # (under $OUT/tuned1, shipped1, tuned2, shipped2): what the new tiles buy, on one machine. Its arguments
 # go to both scripts (--shapes, --tokens).
@@ -36,4 +38,8 @@ if [ "$what" = kernels ]; then
 fi
 if [ "$what" = race ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.overlap_race --out "$OUT" "$@"
+fi
+if [ "$what" = launch ]; then
+  timeout "${BENCH_S:-280}" python3 -m benchmarks.launch_check --out "$OUT" "$@"
+  timeout "${BENCH_S:-280}" python3 -m benchmarks.hook_host_time --cuda --repeats 5 --layers 1000 | tee "$OUT/host-cuda.txt"
 fi
