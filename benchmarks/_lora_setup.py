@@ -188,6 +188,31 @@ def fused_down(on: bool):
         fused_lora.deactivate()
 
 
+def fast_call(batch: LoRABatch):
+    """The batch's whole hooked call through SGLang's runner, the fast hooks built from the runner's own input
+    (as SGLang's ``MoeRunner.run`` builds them): a function of no arguments that returns the call's output."""
+    from sglang.srt.lora import lora_moe_runners as runners
+
+    from sglang_lora_tma_guard import lora_path
+
+    problem, info, original = batch.problem, batch.info, runners.build_lora_hooks
+    return lambda: real_lora.run_runner(problem, None, use_tma=batch.use_tma,
+                                        build=lambda h: lora_path.build_hooks(original, h, info, problem.topk_ids))
+
+
+@contextlib.contextmanager
+def direct_launches(on: bool):
+    """The fast path's kernels launched directly (``on``) or every time through Triton's own path
+    (``sglang_lora_tma_guard.launching.DIRECT``)."""
+    from sglang_lora_tma_guard import launching
+
+    saved, launching.DIRECT = launching.DIRECT, on
+    try:
+        yield
+    finally:
+        launching.DIRECT = saved
+
+
 def one_stream(fn):
     """``fn()`` with the fast hooks built to leave their routing and gate-up shrink in the gate-up hook, on the
     call's own stream (``lora_path.OVERLAP`` off), as before they ran beside the gate-up GEMM."""

@@ -33,9 +33,10 @@ import timeit
 
 import torch
 
+from benchmarks._lora_setup import direct_launches
 from harness import real_lora, tables
 from harness.tiny_moe import make_problem
-from sglang_lora_tma_guard import launching, lora_moe, lora_path
+from sglang_lora_tma_guard import lora_moe, lora_path
 
 
 class _NoLaunch:
@@ -86,7 +87,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="host time per MoE layer of the fast LoRA hooks")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layers", type=int, default=2000, help="layers timed per repeat")
-    parser.add_argument("--cuda", action="store_true", help="CUDA tensors; the launches left out, then in")
+    parser.add_argument("--cuda", action="store_true",
+                        help="CUDA tensors; the launches left out, through Triton's path, then direct")
     args = parser.parse_args(argv)
     if not args.cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # the hooks take CPU tensors only under Triton's interpreter
@@ -106,15 +108,6 @@ def main(argv=None) -> int:
                 table.add(f"{tokens} tokens x top-8", routing, mode, *(f"{us:.1f}" for us in best.values()),
                           f"{sum(best.values()):.1f}")
     return 0
-
-
-@contextlib.contextmanager
-def direct_launches(on: bool):
-    saved, launching.DIRECT = launching.DIRECT, on
-    try:
-        yield
-    finally:
-        launching.DIRECT = saved
 
 
 def time_layer(steps: dict, repeats: int, layers: int, cuda: bool) -> dict:

@@ -21,18 +21,9 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture
-from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
-from harness import real_lora, tables
-from sglang_lora_tma_guard import launching, lora_path
-
-
-@contextlib.contextmanager
-def direct(on: bool):
-    saved, launching.DIRECT = launching.DIRECT, on
-    try:
-        yield
-    finally:
-        launching.DIRECT = saved
+from benchmarks._lora_setup import add_base_option, direct_launches, fast_call, lora_batch, run_batches
+from harness import tables
+from sglang_lora_tma_guard import launching
 
 
 class _Counted:
@@ -73,20 +64,11 @@ def _launchers():
 
 
 def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
-    from sglang.srt.lora import lora_moe_runners as runners
-
-    batch = lora_batch(shape, ranks_name, tokens, weights)
-    problem, info = batch.problem, batch.info
-    original = runners.build_lora_hooks
-
-    def call():
-        return real_lora.run_runner(problem, None, use_tma=batch.use_tma,
-                                    build=lambda h: lora_path.build_hooks(original, h, info, problem.topk_ids))
-
+    call = fast_call(lora_batch(shape, ranks_name, tokens, weights))
     guard.activate(weight_tma=True)
-    with direct(False):
+    with direct_launches(False):
         reference = call().clone()
-    with direct(True):
+    with direct_launches(True):
         call()  # each variant once through Triton's path: its key kept
         with counted_direct_launches() as counter:
             eager = call().clone()

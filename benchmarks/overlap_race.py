@@ -26,8 +26,8 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture
-from benchmarks._lora_setup import add_base_option, lora_batch, one_stream, run_batches
-from harness import real_lora, tables
+from benchmarks._lora_setup import add_base_option, fast_call, lora_batch, one_stream, run_batches
+from harness import tables
 from sglang_lora_tma_guard import lora_moe, lora_path
 
 CYCLES_PER_MS = 1.98e6  # the H200's boost clock; the measured delay is in the table
@@ -65,16 +65,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(capture_mode, name, shape, ranks_name, tokens, weights, delay_ms: float) -> dict:
-    from sglang.srt.lora import lora_moe_runners as runners
-
-    batch = lora_batch(shape, ranks_name, tokens, weights)
-    problem, info = batch.problem, batch.info
-    original = runners.build_lora_hooks
-
-    def call():
-        return real_lora.run_runner(problem, None, use_tma=batch.use_tma,
-                                    build=lambda h: lora_path.build_hooks(original, h, info, problem.topk_ids))
-
+    call = fast_call(lora_batch(shape, ranks_name, tokens, weights))
     guard.activate(weight_tma=True)
     reference = one_stream(call).clone()
     cycles = int(delay_ms * CYCLES_PER_MS)
