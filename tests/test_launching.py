@@ -133,3 +133,26 @@ def test_the_inline_key_of_a_launch_is_each_argument_s_own_key():
     args = (t, t[1:], t.half(), torch.nn.Parameter(t), 0, 1, 16, 17, -16, -17, 2**31 - 1, 2**31, 2**63, True, False,
             1.5)
     assert launching.arguments_key(args) == tuple(map(launching.argument_key, args))
+
+
+def test_arguments_of_one_key_get_one_specialization_from_the_installed_triton():
+    # The invariant the launcher rests on, against the installed Triton's own specializer: a key at least as
+    # fine as Triton's, so that a kept variant is the one Triton would have chosen.
+    native = pytest.importorskip("triton._C.libtriton").__dict__.get("native_specialize_impl")
+    if native is None:
+        pytest.skip("this Triton has no native_specialize_impl")
+    from triton.backends.compiler import BaseBackend
+
+    buf = torch.zeros(256)
+    values = [buf, buf[1:], buf[4:], buf[8:], buf[2:], buf.half(), buf[1:].half(), buf.to(torch.bfloat16),
+              0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31, 2**31 + 1, 2**63 - 16, 2**63, 2**64 - 16,
+              True, False, 1.5, 2.0]
+
+    def triton_kind(value):
+        kind = native(BaseBackend, value, False, True, True)
+        return kind if not isinstance(value, torch.Tensor) else (kind, value.dtype)
+
+    by_key = {}
+    for value in values:
+        by_key.setdefault(launching.argument_key(value), set()).add(repr(triton_kind(value)))
+    assert all(len(kinds) == 1 for kinds in by_key.values()), by_key
