@@ -11,10 +11,10 @@ under a key of its own, and launches later calls of that key through the compile
 The key holds everything Triton specializes a variant on, or more: for each positional argument, a tensor's
 dtype and whether its address is a multiple of 16 bytes, an integer's being 1, a multiple of 16, and in the
 32-bit or unsigned 64-bit range; the keyword arguments (constexprs, ``num_warps``, ``num_stages``) as given;
-the current device. A key that is finer than Triton's only costs one more trip through Triton's path. An
-argument of any other kind, a constexpr given by position, a kernel that is not a ``JITFunction`` (Triton's
-interpreter), ``DIRECT`` off, or a compiled launcher that refuses the arguments: Triton's own path, every
-time.
+the current device (tests/test_launching.py holds it against the installed Triton's own specializer). A key
+that is finer than Triton's only costs one more trip through Triton's path. An argument of any other kind, a
+constexpr given by position, a kernel that is not a ``JITFunction`` (Triton's interpreter), ``DIRECT`` off,
+or a compiled launcher that refuses the arguments: Triton's own path, every time.
 """
 
 from __future__ import annotations
