@@ -98,9 +98,11 @@ def main(argv=None) -> int:
           f"{args.repeats} x {args.layers}")
     table = tables.Table(["batch", "routing launches", "Triton launches", "build_hooks", "after_gate_up",
                           "after_down", "layer"])
-    modes = {"left out": launches_left_out, "Triton's path": functools.partial(direct_launches, False),
-             "direct": functools.partial(direct_launches, True)}
-    for mode, context in modes.items() if args.cuda else [("left out", launches_left_out)]:
+    modes = {"left out": launches_left_out}
+    if args.cuda:
+        modes.update({"Triton's path": functools.partial(direct_launches, False),
+                      "direct": functools.partial(direct_launches, True)})
+    for mode, context in modes.items():
         with context():
             for tokens in (64, 1024):  # 512 pairs: one routing program; 8192: count, offsets, scatter
                 best = time_layer(layer(tokens, device), args.repeats, args.layers, args.cuda)

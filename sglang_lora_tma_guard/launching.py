@@ -43,14 +43,14 @@ def argument_key(value):
     raise TypeError(f"an argument of type {type(value).__name__}")
 
 
+_Tensor = torch.Tensor
+
+
 def arguments_key(args) -> tuple:
     """:func:`argument_key` of each argument; tensors and ints (nearly all of them) inline, at half the cost."""
     return tuple([(a.dtype, not a.data_ptr() & 15) if a.__class__ is _Tensor
                   else (a == 1, not a & 15, -(2**31) <= a < 2**31, a >= 2**63) if a.__class__ is int
                   else argument_key(a) for a in args])
-
-
-_Tensor = torch.Tensor
 
 
 class Launcher:
