@@ -3,7 +3,9 @@
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
 # default LoRA MoE path with those tiles; or each kernel of the fast path against its floor (kernels).
 # Results under ${OUT:-results}/.
-#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|tune-ab|race|launch] [extra arguments for the Python scripts]
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|tune-ab|race|launch|down] [extra arguments for the Python scripts]
+# down: benchmarks/down_gemm.py (the down GEMM alone: SGLang's, this package's over tile variants, the down
+# LoRA as a hook or in the GEMM's epilogue).
 # race: benchmarks/overlap_race.py (the fast hooks' second stream delayed: right only with the waits).
 # launch: benchmarks/launch_check.py (direct launches bit for bit Triton's own), then the hooks' host time a
 # layer (benchmarks/hook_host_time.py --cuda) into $OUT/host-cuda.txt.
@@ -42,4 +44,7 @@ fi
 if [ "$what" = launch ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.launch_check --out "$OUT" "$@"
   timeout "${BENCH_S:-280}" python3 -m benchmarks.hook_host_time --cuda --repeats 5 --layers 1000 | tee "$OUT/host-cuda.txt"
+fi
+if [ "$what" = down ]; then
+  timeout "${BENCH_S:-280}" python3 -m benchmarks.down_gemm --out "$OUT" "$@"
 fi

@@ -110,7 +110,7 @@ def fused_down(**meta) -> dict:
 
     constexprs = dict(ROUTES_PER_A_ROW=1, TOPK=8, SCALE_BLOCK_N=128, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64,
                       BLOCK_R=64, GROUP_M=1, FP8=False, HAS_BIAS=False, MUL_ROUTED_WEIGHT=True, LORA=True,
-                      B_TMA=False, KEYED=True, RANK_GRANULE=8, b_desc=None)
+                      B_TMA=False, KEYED=True, RANK_GRANULE=8, EVEN_K=True, b_desc=None)
     constexprs.update(meta)
     int32 = ("sorted_ids_ptr", "expert_ids_ptr", "num_post_padded_ptr", "token_lora_ptr", "enabled_ptr", "ranks_ptr")
     return compiled(moe_gemm._moe_gemm_kernel,

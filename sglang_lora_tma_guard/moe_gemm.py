@@ -30,6 +30,8 @@ import triton.language as tl
 
 FP8_MAX = 448.0
 QUANT_EPS = 1e-10
+QUANTIZE_ROWS = 16
+"""Rows of one K group each program of :func:`quantize_per_group` quantizes."""
 
 # The fp8 quantization of GEMM inputs, as SGLang does it: scale = max(|x|, QUANT_EPS) / FP8_MAX.
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -74,6 +76,7 @@ def _moe_gemm_kernel(
     B_TMA: tl.constexpr,
     KEYED: tl.constexpr,  # the route list is lora_moe.route_all's: EXPERT_IDS holds each block's key
     RANK_GRANULE: tl.constexpr,  # with LORA: ranks loaded in aligned runs of this many (see _granule)
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: the K loop's loads need no K mask
 ):
     """C[route, n] = sum_k A[route // ROUTES_PER_A_ROW, k] * B[expert(route), n, k], route-major,
     plus the route's LoRA expand with LORA (before the bias and the routed weight).
@@ -112,9 +115,14 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = routes // ROUTES_PER_A_ROW
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    # Columns past N read a valid column's weights (their results are never stored): no N mask on B.
+    b_cols = offs_n % N
+    b_ptrs = b_ptr + expert * stride_be + b_cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
     if FP8:
-        s_ptrs = b_scale_ptr + expert * stride_se + (offs_n // SCALE_BLOCK_N) * stride_sn
+        if SCALE_BLOCK_N % BLOCK_N == 0:  # the tile lies in one scale block: one scale a K group
+            s_ptrs = b_scale_ptr + expert * stride_se + (pid_n * BLOCK_N // SCALE_BLOCK_N) * stride_sn
+        else:
+            s_ptrs = b_scale_ptr + expert * stride_se + (b_cols // SCALE_BLOCK_N) * stride_sn
         as_ptrs = a_scale_ptr + a_rows * stride_asm
     if LORA and KEYED:
         # The block's one delta: its B tile and ranks loaded before the K loop, so that their latency hides
@@ -133,17 +141,25 @@ def _moe_gemm_kernel(
         ranks_t = tl.where(r_ok[None, :], ranks_t, 0.0).to(lora_b.dtype)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = offs_k < K - k_tile * BLOCK_K
-        a = tl.load(a_ptrs, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=route_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K - k_tile * BLOCK_K
+            a = tl.load(a_ptrs, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
         if B_TMA:  # the descriptor fills what lies past N or K with zeros
             b = b_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k_tile * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+        elif EVEN_K:
+            b = tl.load(b_ptrs)
         else:
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         if FP8:
             # One K tile is one quantization group of A and of B.
             a_scale = tl.load(as_ptrs + k_tile * stride_ask, mask=route_ok, other=0.0)
-            b_scale = tl.load(s_ptrs + k_tile * stride_sk, mask=n_ok, other=0.0)
-            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+            if SCALE_BLOCK_N % BLOCK_N == 0:
+                acc += tl.dot(a, b) * (a_scale * tl.load(s_ptrs + k_tile * stride_sk))[:, None]
+            else:
+                b_scale = tl.load(s_ptrs + k_tile * stride_sk)
+                acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         else:
             acc = tl.dot(a, b, acc=acc)
         a_ptrs += BLOCK_K * stride_ak
@@ -232,13 +248,18 @@ def _quantize_group(x, q_ptrs, s_ptr, ok):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr):
-    """Per-row, per-K-group fp8 quantization of a GEMM's input."""
-    row = tl.program_id(0).to(tl.int64)
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, rows, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
+                     ROWS: tl.constexpr):
+    """Per-row, per-K-group fp8 quantization of a GEMM's input: ``ROWS`` rows of one group a program
+    (a program of one row's group, 128 values, would be a launch's worth of overhead for 256 bytes)."""
+    offs_m = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    ok = cols < K
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    _quantize_group(x, q_ptr + row * stride_q + cols, s_ptr + row * stride_s + tl.program_id(1), ok)
+    ok = (offs_m < rows)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1), _QUANT_EPS) / _FP8_MAX  # masked values load as 0
+    q = tl.clamp(x * (1.0 / scale)[:, None], -_FP8_MAX, _FP8_MAX)
+    tl.store(q_ptr + offs_m[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + offs_m * stride_s + tl.program_id(1), scale, mask=offs_m < rows)
 
 
 def tile(config: dict, block_m: int, fp8_group_k: int | None) -> dict:
@@ -340,7 +361,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         BLOCK_R=lora.block_r() if lora is not None else 16,
         FP8=fp8, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
         B_TMA=b_desc is not None, KEYED=key_groups > 0,
-        RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1, **tile,
+        RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1, EVEN_K=k % block_k == 0, **tile,
     )
 
 
@@ -350,6 +371,6 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, cdiv(k, group)), dtype=torch.float32, device=x.device)
-    _quantize_kernel[(rows, scale.shape[1])](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
-                                             GROUP=group)
+    _quantize_kernel[(cdiv(rows, QUANTIZE_ROWS), scale.shape[1])](x, q, scale, rows, k, x.stride(0), q.stride(0),
+                                                                  scale.stride(0), GROUP=group, ROWS=QUANTIZE_ROWS)
     return q, scale

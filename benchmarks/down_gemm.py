@@ -1,0 +1,163 @@
+"""The down GEMM of a hooked call alone, on a Hopper GPU: SGLang's launcher against this package's
+``moe_gemm`` over tile variants, and the down LoRA both ways (the fast hook after SGLang's GEMM, or the
+expand in this package's GEMM's epilogue over three route lists).
+
+    python -m benchmarks.down_gemm [--shapes glm51-fp8-tp8] [--tokens 1024 4096 8192] [--rank-sets mixed r16]
+        [--out DIR]
+
+Per batch (``benchmarks/_lora_setup.py``'s: SGLang's configs for the size, 4 adapters, the batch split
+among them and the base model), CUDA-graph replays, best of 5 x 50, interleaved. Rows:
+
+- ``sglang``: SGLang's ``invoke_fused_moe_kernel`` for the down GEMM (its fp8 quantization of the input
+  included, weights by TMA where its config asks); ``sglang quantize``: that quantization alone;
+- ``quantize``: this package's (``moe_gemm.quantize_per_group``);
+- ``own ...``: ``moe_gemm`` on the quantized input, SGLang's tile unless the row names a change
+  (``BLOCK_M`` other than SGLang's walks a route list aligned to it);
+- ``hook``: the fast path's down hook (``lora_moe.add_delta``, tuned tiles) on SGLang's output;
+  ``shrink``: the down shrink alone (what the fused GEMM needs before it);
+- ``own + LoRA, SGLang's blocks`` / ``..., segments`` / ``..., one-adapter blocks``: the GEMM with the
+  expand in its epilogue, over SGLang's route list (rows of any adapter in any order), over the same
+  blocks with each expert's rows ordered by adapter (one sort key more, no padding per adapter), over
+  ``lora_moe.route_all``'s blocks of one expert and one adapter.
+
+The sums at the end compare the two ways whole: SGLang + hook against quantize + shrink + the fused GEMM.
+Writes ``down_gemm.json`` / ``.md``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from benchmarks._bench import benchmark_parser, capture, replay_times
+from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
+from harness import tables
+
+TOKENS = [1024, 4096, 8192]
+
+
+def segment_alignment(topk_ids: torch.Tensor, groups: torch.Tensor, block_m: int, num_experts: int):
+    """SGLang's route list (``tiny_moe.align_block_size``: each expert's routes padded to ``block_m``) with
+    each expert's routes ordered by ``groups`` (one small int a route): adapters as contiguous segments."""
+    from sglang_lora_tma_guard.tiny_moe import align_block_size
+
+    flat = topk_ids.flatten().long()
+    # Sorting by (expert, group) and renumbering keeps align_block_size's per-expert padding: feed it the
+    # experts in that order through a permutation of the routes.
+    order = torch.argsort(flat * (int(groups.max()) + 1) + groups.long(), stable=True)
+    sorted_ids, expert_ids, post = align_block_size(flat[order].view(-1, 1), block_m, num_experts)
+    mapped = torch.where(sorted_ids < flat.numel(), order.to(torch.int32)[sorted_ids.clamp(max=flat.numel() - 1).long()],
+                         sorted_ids)
+    return mapped.to(torch.int32), expert_ids, post
+
+
+def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
+    import inspect
+
+    import triton.language as tl
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
+
+    from harness.tiny_moe import FP8_BLOCK
+    from sglang_lora_tma_guard import lora_moe, lora_path, moe_gemm, tuning
+    from sglang_lora_tma_guard.tiny_moe import align_block_size
+
+    batch = lora_batch(shape, ranks_name, tokens, weights)
+    problem, info, use_tma, act, c3 = batch.problem, batch.info, batch.use_tma, batch.act, batch.cache3
+    ids, w, cfg = problem.topk_ids, problem.topk_weights, dict(problem.down_config)
+    assert problem.block_fp8, "the down GEMM rows compare block-fp8 GEMMs"
+    topk, r = ids.shape[1], int(info.max_lora_rank)
+    da, db = info.down_lora_a_weights, info.down_lora_b_weights
+    ranks, enabled = info.lora_ranks.to(torch.int32), info.adapter_enabled.to(torch.int32)
+    slots = lora_path.token_adapters(info, tokens)
+    tiles = tuning.plan(tokens * topk, c3.shape[2], act.shape[1], db.shape[1], ranks.numel(), r)
+    routing = lora_moe.route(ids, slots, enabled, ranks, db.shape[1], tiles.block_m)
+    t_dn = lora_moe.shrink(act, da, routing, topk=topk, max_rank=r, halves=1, config=tiles.down)
+    q, q_scale = moe_gemm.quantize_per_group(act, FP8_BLOCK[1])
+    lora = moe_gemm.LoRAEpilogue(t_dn, db, slots, enabled, ranks, db.shape[1], r)
+    experts, block_m = problem.w2.shape[0], cfg["BLOCK_SIZE_M"]
+    per_route_slot = slots.long().repeat_interleave(topk)
+    has = (per_route_slot >= 0) & (enabled.long()[per_route_slot.clamp(min=0)] != 0) & (
+        ranks.long()[per_route_slot.clamp(min=0)] > 0)
+    groups = torch.where(has, per_route_slot + 1, 0)
+    lists = {bm: align_block_size(ids, bm, experts) for bm in {block_m, 32, 128}}
+    segments = segment_alignment(ids, groups, block_m, experts)
+    keyed = lora_moe.route_all(ids, slots, enabled, ranks, experts, db.shape[1], block_m)
+    launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
+    base_tile = moe_gemm.tile(cfg, block_m, FP8_BLOCK[1])
+
+    def own(epilogue=None, blocks=None, tma=use_tma, key_groups=0, **change):
+        tile = {**base_tile, **change}
+        sorted_ids, expert_ids, post = blocks or lists[tile["BLOCK_M"]]
+        moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
+                          bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
+                          num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
+                          scale_block_n=FP8_BLOCK[0], topk=topk, lora=epilogue, weights_by_tma=tma,
+                          key_groups=key_groups)
+
+    def sglang_quantize():
+        from sglang.srt.layers.quantization.fp8_kernel import sglang_per_token_group_quant_fp8
+
+        return sglang_per_token_group_quant_fp8(act, FP8_BLOCK[1])[0]
+
+    sorted_ids, expert_ids, post = problem.alignment
+    parts = {
+        "sglang": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, sorted_ids,
+                                 expert_ids, post, True, 1, cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True,
+                                 use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                                 per_channel_quant=False, block_shape=list(FP8_BLOCK), b_use_tma=use_tma),
+        "sglang quantize": sglang_quantize,
+        "quantize": lambda: moe_gemm.quantize_per_group(act, FP8_BLOCK[1])[0],
+        "own": lambda: own(),
+        f"own, TMA {'off' if use_tma else 'on'}": lambda: own(tma=not use_tma),
+        **{f"own, {k}={v}": (lambda k=k, v=v: own(**{k: v}))
+           for k, values in (("num_stages", (2, 4, 5)), ("num_warps", (8,)), ("GROUP_M", (1, 8, 32)),
+                             ("BLOCK_N", (64, 256)), ("BLOCK_M", (32, 128)))
+           for v in values if base_tile[k] != v},
+        "hook": lambda: lora_moe.add_delta(c3, act, da, db, routing, max_rank=r, halves=1, topk_weights=w,
+                                           config=tiles.down),
+        "shrink": lambda: lora_moe.shrink(act, da, routing, topk=topk, max_rank=r, halves=1, config=tiles.down),
+        "own + LoRA, SGLang's blocks": lambda: own(lora),
+        "own + LoRA, segments": lambda: own(lora, blocks=segments),
+        "own + LoRA, one-adapter blocks": lambda: own(lora, blocks=(keyed.sorted_ids, keyed.block_key, keyed.rows_used),
+                                                      key_groups=ranks.numel() + 1),
+    }
+    graphs = {}
+    with capture_mode():
+        for part, fn in parts.items():
+            try:
+                graphs[part] = capture(fn)[0]
+            except Exception as error:  # noqa: BLE001 - a variant that does not compile here is a row left out
+                print(f"{part}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    times = replay_times(graphs)
+    del graphs
+    row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "tile": base_tile, "use_tma": use_tma,
+           **{f"ms {p}": t for p, t in times.items()}}
+    row["ms fast"] = times["sglang"] + times["hook"]
+    row["ms fused"] = times["quantize"] + times["shrink"] + times["own + LoRA, segments"]
+    return row
+
+
+def markdown(rows, meta) -> str:
+    parts = [k.removeprefix("ms ") for k in rows[0] if k.startswith("ms ")]
+    return "\n".join([
+        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}; the down GEMM "
+        "of a hooked call, block-fp8 experts (128 x 128 scales), ms per call, CUDA-graph replay, best of 5 x 50 "
+        "(interleaved). fast: sglang + hook; fused: quantize + shrink + own + LoRA, segments.",
+        "",
+        tables.markdown(["part", *(f"{r['shape']} {r['ranks']} {r['tokens']}" for r in rows)],
+                        ([p, *(f"{r[f'ms {p}']:.4f}" if f"ms {p}" in r else "–" for r in rows)] for p in parts)),
+        "",
+        "SGLang's tile: " + "; ".join(f"{r['tokens']} tokens {r['tile']}, TMA {r['use_tma']}" for r in rows),
+    ]) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = benchmark_parser(__doc__, TOKENS)
+    add_base_option(parser)
+    parser.add_argument("--rank-sets", nargs="+", default=["mixed"], help="mixed, or rN (four adapters of rank N)")
+    return run_batches(parser.parse_args(argv), "down_gemm", measure, markdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
