@@ -118,6 +118,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
                                            config=tiles.down),
         "shrink": lambda: lora_moe.shrink(act, da, routing, topk=topk, max_rank=r, halves=1, config=tiles.down),
         "own + LoRA, SGLang's blocks": lambda: own(lora),
+        "own + LoRA, SGLang's blocks, GROUP_M=8": lambda: own(lora, GROUP_M=8),
+        "own + LoRA, SGLang's blocks, TMA off": lambda: own(lora, tma=False),
         "own + LoRA, segments": lambda: own(lora, blocks=segments),
         "own + LoRA, one-adapter blocks": lambda: own(lora, blocks=(keyed.sorted_ids, keyed.block_key, keyed.rows_used),
                                                       key_groups=ranks.numel() + 1),

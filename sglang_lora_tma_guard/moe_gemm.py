@@ -139,6 +139,15 @@ def _moe_gemm_kernel(
         ranks_t = tl.load(t_ptr + routes[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
                           mask=route_ok[:, None] & r_load[None, :], other=0.0)
         ranks_t = tl.where(r_ok[None, :], ranks_t, 0.0).to(lora_b.dtype)
+    elif LORA:
+        # Rows of any adapters. Every load of the epilogue is issued here, so that the K loop hides its chain
+        # of round trips (slot, rank, then ranks and B tiles); the B tiles of the block's lowest and highest
+        # adapter among its rows: all of them where each expert's rows come ordered by adapter, two at most
+        # then (:func:`_lora_rest` adds any others after the loop).
+        slot, wanted, rank, ranks_t, first, first_b, last, last_b = _lora_prefetch(
+            routes, route_ok, expert, offs_n, n_ok, pid_n * BLOCK_N, t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr,
+            ranks_ptr, num_slots, lora_experts, half_width, max_rank, stride_tm, stride_ll, stride_le, stride_ln,
+            stride_lr, TOPK, BLOCK_R, RANK_GRANULE)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -169,10 +178,13 @@ def _moe_gemm_kernel(
         if adapter >= 0:
             acc += tl.dot(ranks_t, lora_b)
     elif LORA:
-        acc = _lora_epilogue(acc, routes, route_ok, expert, offs_n, n_ok, pid_n * BLOCK_N,
-                             t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
-                             num_slots, lora_experts, half_width, max_rank,
-                             stride_tm, stride_ll, stride_le, stride_ln, stride_lr, TOPK, BLOCK_R, RANK_GRANULE)
+        if first < num_slots:  # a row with a delta: the lowest adapter's rows
+            acc += tl.dot(tl.where((wanted & (slot == first))[:, None], ranks_t, tl.zeros_like(ranks_t)), first_b)
+        if last > first:
+            acc += tl.dot(tl.where((wanted & (slot == last))[:, None], ranks_t, tl.zeros_like(ranks_t)), last_b)
+            if last > first + 1:
+                acc = _lora_rest(acc, slot, wanted, ranks_t, first, last, expert, offs_n, n_ok, lora_b_ptr, ranks_ptr,
+                                 stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n * stride_bias_n, mask=n_ok, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -204,38 +216,62 @@ def rank_granule(max_rank: int) -> int:
 
 @triton.jit
 def _lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le):
-    return lora_b_ptr + adapter.to(tl.int64) * stride_ll + expert * stride_le
+    return lora_b_ptr + tl.cast(adapter, tl.int64) * stride_ll + expert * stride_le
 
 
 @triton.jit
-def _lora_epilogue(acc, routes, route_ok, expert, offs_n, n_ok, first_n,
+def _lora_b_tile(lora_b_ptr, adapter, rank, expert, offs_n, n_ok, stride_ll, stride_le, stride_ln, stride_lr,
+                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
+    """Adapter ``adapter``'s B tile (ranks x the tile's columns), zero from its ``rank`` on; rank 0 reads nothing."""
+    offs_r = tl.arange(0, BLOCK_R)
+    b = tl.load(_lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le) + offs_n[None, :] * stride_ln
+                + offs_r[:, None] * stride_lr,
+                mask=(offs_r[:, None] < _granule(rank, RANK_GRANULE)) & n_ok[None, :], other=0.0)
+    return tl.where(offs_r[:, None] < rank, b, 0.0)
+
+
+@triton.jit
+def _lora_prefetch(routes, route_ok, expert, offs_n, n_ok, first_n,
                    t_ptr, b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
                    num_slots, lora_experts, half_width, max_rank,
                    stride_tm, stride_bl, stride_be, stride_bn, stride_br,
                    TOPK: tl.constexpr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
-    """``acc[row] += t[route, half's ranks] @ B[adapter, expert, tile columns].T`` for each row whose
-    adapter has a delta here: one GEMM per adapter present in the block (the tile lies in one half)."""
+    """What the epilogue over SGLang's blocks reads: each row's slot, whether it has a delta here and its ranks
+    (the tile's half); the lowest and the highest slot among those rows (``num_slots`` and -1 if none) and
+    their B tiles (the highest's only if it is another adapter)."""
     slot = tl.load(token_lora_ptr + routes // TOPK, mask=route_ok, other=-1)
     known = route_ok & (slot >= 0) & (slot < num_slots) & (expert < lora_experts)
     slot = tl.where(known, slot, 0)
     rank = tl.load(ranks_ptr + slot, mask=known, other=0)
     wanted = known & (tl.load(enabled_ptr + slot, mask=known, other=0) != 0) & (rank > 0)
-    if tl.max(wanted.to(tl.int32), 0) > 0:
-        half = first_n // half_width  # gate (0) or up (1) half of a gated gate-up; 0 otherwise
-        offs_r = tl.arange(0, BLOCK_R)
-        # Each row's own ranks only: the shrink writes no others (and the buffer is not cleared).
-        t = tl.load(t_ptr + routes[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
-                    mask=wanted[:, None] & (offs_r[None, :] < _granule(rank, RANK_GRANULE)[:, None]), other=0.0)
-        t = tl.where(offs_r[None, :] < rank[:, None], t, 0.0).to(b_ptr.dtype.element_ty)
-        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
-        for s in range(num_slots):
-            mine = wanted & (slot == s)
-            if tl.max(mine.to(tl.int32), 0) > 0:  # this adapter has rows in the block
-                s_rank = tl.load(ranks_ptr + s)
-                b = tl.load(b_ptrs + s * stride_bl, mask=(offs_r[:, None] < _granule(s_rank, RANK_GRANULE))
-                            & n_ok[None, :], other=0.0)
-                acc += tl.dot(tl.where(mine[:, None], t, tl.zeros_like(t)),
-                              tl.where(offs_r[:, None] < s_rank, b, 0.0))
+    half = first_n // half_width  # gate (0) or up (1) half of a gated gate-up; 0 otherwise
+    offs_r = tl.arange(0, BLOCK_R)
+    # Each row's own ranks only: the shrink writes no others (and the buffer is not cleared).
+    t = tl.load(t_ptr + routes[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
+                mask=wanted[:, None] & (offs_r[None, :] < _granule(rank, RANK_GRANULE)[:, None]), other=0.0)
+    t = tl.where(offs_r[None, :] < rank[:, None], t, 0.0).to(b_ptr.dtype.element_ty)
+    first = tl.min(tl.where(wanted, slot, num_slots), 0)
+    last = tl.max(tl.where(wanted, slot, -1), 0)
+    first_rank = tl.max(tl.where(wanted & (slot == first), rank, 0), 0)
+    last_rank = tl.max(tl.where(wanted & (slot == last) & (last > first), rank, 0), 0)
+    first_b = _lora_b_tile(b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
+                           stride_bl, stride_be, stride_bn, stride_br, BLOCK_R, RANK_GRANULE)
+    last_b = _lora_b_tile(b_ptr, tl.where(last_rank > 0, last, 0), last_rank, expert, offs_n, n_ok,
+                          stride_bl, stride_be, stride_bn, stride_br, BLOCK_R, RANK_GRANULE)
+    return slot, wanted, rank, t, first, first_b, last, last_b
+
+
+@triton.jit
+def _lora_rest(acc, slot, wanted, t, first, last, expert, offs_n, n_ok, b_ptr, ranks_ptr,
+               stride_bl, stride_be, stride_bn, stride_br, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
+    """``acc[row] += t[row] @ B[adapter, expert, tile columns].T`` for the rows of the adapters strictly between
+    the block's lowest and highest (a block whose rows do not come ordered by adapter): one GEMM each present."""
+    for s in range(first + 1, last):
+        mine = wanted & (slot == s)
+        if tl.max(mine.to(tl.int32), 0) > 0:  # this adapter has rows in the block
+            b = _lora_b_tile(b_ptr, s, tl.load(ranks_ptr + s), expert, offs_n, n_ok, stride_bl, stride_be,
+                             stride_bn, stride_br, BLOCK_R, RANK_GRANULE)
+            acc += tl.dot(tl.where(mine[:, None], t, tl.zeros_like(t)), b)
     return acc
 
 

@@ -3,8 +3,8 @@
 Through Triton's CPU interpreter, against a float32 PyTorch reference computed route by route from
 the same inputs (the fp8 input's own quantized values and scales: the quantizer is the fallback's,
 tested there). Widths no tile divides; in one route list: tokens of the base model, of a disabled
-slot, of a slot of rank 0, of slots of different ranks in one block, routes filtered out (-1) and
-routes to an expert the LoRA buffers do not hold. Every rank column past a slot's own rank holds NaN,
+slot, of a slot of rank 0, of slots of different ranks in one block (three with deltas, out of slot order),
+routes filtered out (-1) and routes to an expert the LoRA buffers do not hold. Every rank column past a slot's own rank holds NaN,
 in the ranks ``t`` and in B: a single one read would show in the output.
 
 Tolerance: the output is fp16, of size about 1 here; one fp16 rounding of the result is 2**-11 of
@@ -34,7 +34,10 @@ def make(n: int, k: int, fp8: bool, shared_outer: bool, seed: int = 0):
     topk_ids = torch.randint(0, EXPERTS, (TOKENS, TOPK), generator=gen, dtype=torch.int32)
     topk_ids[::4, 1] = -1  # filtered out
     token_lora = torch.randint(-1, len(RANKS), (TOKENS,), generator=gen, dtype=torch.int32)
-    token_lora[:len(RANKS)] = torch.arange(len(RANKS), dtype=torch.int32)  # every slot has a token
+    # Every slot has a token, and expert 0 rows of three adapters with deltas out of slot order (over SGLang's
+    # route list: a block whose lowest and highest adapters are not all it holds).
+    token_lora[:len(RANKS)] = torch.tensor([2, 4, 0, 3, 1], dtype=torch.int32)
+    topk_ids[:len(RANKS), 0] = 0
     a = torch.randn(TOKENS * TOPK, k, generator=gen).half()
     w = torch.randn(EXPERTS, n, k, generator=gen) / k**0.5
     t = torch.randn(TOKENS * TOPK, MAX_RANK, generator=gen)
