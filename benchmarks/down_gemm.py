@@ -86,17 +86,19 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
     base_tile = moe_gemm.tile(cfg, block_m, FP8_BLOCK[1])
 
-    def own(epilogue=None, blocks=None, tma=use_tma, key_groups=0, **change):
+    def own(epilogue=None, blocks=None, tma=use_tma, key_groups=0, n_tiles=0, **change):
         tile = {**base_tile, **change}
         sorted_ids, expert_ids, post = blocks or lists[tile["BLOCK_M"]]
         moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
                           bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                           num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
                           scale_block_n=FP8_BLOCK[0], topk=topk, lora=epilogue, weights_by_tma=tma,
-                          key_groups=key_groups)
+                          key_groups=key_groups, n_tiles=n_tiles)
 
     def sglang_quantize():
-        from sglang.srt.layers.quantization.fp8_kernel import sglang_per_token_group_quant_fp8
+        from sglang.kernels.ops.moe import fused_moe_triton_kernels as kernels  # as its launcher imports it
+
+        sglang_per_token_group_quant_fp8 = kernels.sglang_per_token_group_quant_fp8
 
         return sglang_per_token_group_quant_fp8(act, FP8_BLOCK[1])[0]
 
@@ -114,12 +116,18 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
            for k, values in (("num_stages", (2, 4, 5)), ("num_warps", (8,)), ("GROUP_M", (1, 8, 32)),
                              ("BLOCK_N", (64, 256)), ("BLOCK_M", (32, 128)))
            for v in values if base_tile[k] != v},
+        **{f"wide, N_TILES={n}{change_name}": (lambda n=n, c=change: own(n_tiles=n, **c))
+           for n in (4, 8, 16) for change_name, change in (("", {}), (", num_stages=2", {"num_stages": 2}),
+                                                         (", num_warps=8", {"num_warps": 8}))},
         "hook": lambda: lora_moe.add_delta(c3, act, da, db, routing, max_rank=r, halves=1, topk_weights=w,
                                            config=tiles.down),
         "shrink": lambda: lora_moe.shrink(act, da, routing, topk=topk, max_rank=r, halves=1, config=tiles.down),
         "own + LoRA, SGLang's blocks": lambda: own(lora),
         "own + LoRA, SGLang's blocks, GROUP_M=8": lambda: own(lora, GROUP_M=8),
         "own + LoRA, SGLang's blocks, TMA off": lambda: own(lora, tma=False),
+        **{f"wide + LoRA, N_TILES={n}{change_name}": (lambda n=n, c=change: own(lora, n_tiles=n, **c))
+           for n in (4, 8, 16) for change_name, change in (("", {}), (", num_stages=2", {"num_stages": 2}),
+                                                         (", num_warps=8", {"num_warps": 8}))},
         "own + LoRA, segments": lambda: own(lora, blocks=segments),
         "own + LoRA, one-adapter blocks": lambda: own(lora, blocks=(keyed.sorted_ids, keyed.block_key, keyed.rows_used),
                                                       key_groups=ranks.numel() + 1),
@@ -136,7 +144,9 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "tile": base_tile, "use_tma": use_tma,
            **{f"ms {p}": t for p, t in times.items()}}
     row["ms fast"] = times["sglang"] + times["hook"]
-    row["ms fused"] = times["quantize"] + times["shrink"] + times["own + LoRA, segments"]
+    wide = [p for p in times if p.startswith("wide + LoRA")]
+    row["best wide + LoRA"] = min(wide, key=times.get) if wide else None
+    row["ms fused"] = times["quantize"] + times["shrink"] + min(times[p] for p in wide or ["own + LoRA, SGLang's blocks"])
     return row
 
 
@@ -145,12 +155,14 @@ def markdown(rows, meta) -> str:
     return "\n".join([
         f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}; the down GEMM "
         "of a hooked call, block-fp8 experts (128 x 128 scales), ms per call, CUDA-graph replay, best of 5 x 50 "
-        "(interleaved). fast: sglang + hook; fused: quantize + shrink + own + LoRA, segments.",
+        "(interleaved). fast: sglang + hook; fused: quantize + shrink + the best wide + LoRA.",
         "",
         tables.markdown(["part", *(f"{r['shape']} {r['ranks']} {r['tokens']}" for r in rows)],
                         ([p, *(f"{r[f'ms {p}']:.4f}" if f"ms {p}" in r else "–" for r in rows)] for p in parts)),
         "",
         "SGLang's tile: " + "; ".join(f"{r['tokens']} tokens {r['tile']}, TMA {r['use_tma']}" for r in rows),
+        "",
+        "Best wide + LoRA: " + "; ".join(f"{r['ranks']} {r['tokens']}: {r['best wide + LoRA']}" for r in rows),
     ]) + "\n"
 
 

@@ -32,6 +32,8 @@ FP8_MAX = 448.0
 QUANT_EPS = 1e-10
 QUANTIZE_ROWS = 16
 """Rows of one K group each program of :func:`quantize_per_group` quantizes."""
+WIDE_K_TILES = 8
+"""The most K tiles :func:`_moe_gemm_wide_kernel` unrolls."""
 
 # The fp8 quantization of GEMM inputs, as SGLang does it: scale = max(|x|, QUANT_EPS) / FP8_MAX.
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -144,10 +146,13 @@ def _moe_gemm_kernel(
         # of round trips (slot, rank, then ranks and B tiles); the B tiles of the block's lowest and highest
         # adapter among its rows: all of them where each expert's rows come ordered by adapter, two at most
         # then (:func:`_lora_rest` adds any others after the loop).
-        slot, wanted, rank, ranks_t, first, first_b, last, last_b = _lora_prefetch(
-            routes, route_ok, expert, offs_n, n_ok, pid_n * BLOCK_N, t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr,
-            ranks_ptr, num_slots, lora_experts, half_width, max_rank, stride_tm, stride_ll, stride_le, stride_ln,
-            stride_lr, TOPK, BLOCK_R, RANK_GRANULE)
+        slot, wanted, ranks_t, first, first_rank, last, last_rank = _lora_rows(
+            routes, route_ok, expert, pid_n * BLOCK_N, t_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_slots,
+            lora_experts, half_width, max_rank, stride_tm, TOPK, BLOCK_R, RANK_GRANULE, lora_b_ptr.dtype.element_ty)
+        first_b = _lora_b_tile(lora_b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
+                               stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+        last_b = _lora_b_tile(lora_b_ptr, tl.where(last_rank > 0, last, 0), last_rank, expert, offs_n, n_ok,
+                              stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -178,13 +183,8 @@ def _moe_gemm_kernel(
         if adapter >= 0:
             acc += tl.dot(ranks_t, lora_b)
     elif LORA:
-        if first < num_slots:  # a row with a delta: the lowest adapter's rows
-            acc += tl.dot(tl.where((wanted & (slot == first))[:, None], ranks_t, tl.zeros_like(ranks_t)), first_b)
-        if last > first:
-            acc += tl.dot(tl.where((wanted & (slot == last))[:, None], ranks_t, tl.zeros_like(ranks_t)), last_b)
-            if last > first + 1:
-                acc = _lora_rest(acc, slot, wanted, ranks_t, first, last, expert, offs_n, n_ok, lora_b_ptr, ranks_ptr,
-                                 stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+        acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
+                        ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n * stride_bias_n, mask=n_ok, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -194,6 +194,102 @@ def _moe_gemm_kernel(
     # The output's addresses only now: held across the K loop they would take registers the tiles need.
     tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=route_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_gemm_wide_kernel(
+    # As _moe_gemm_kernel's, less the bias and the keyed route list; one A row per route.
+    a_ptr, a_scale_ptr, b_ptr, c_ptr, b_scale_ptr, topk_weights_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    b_desc,
+    t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+    N, K, num_routes, num_sorted, num_slots, lora_experts, max_rank,
+    stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_se, stride_sn, stride_sk,
+    stride_tm, stride_ll, stride_le, stride_ln, stride_lr,
+    TOPK: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    K_TILES: tl.constexpr,  # cdiv(K, BLOCK_K): the K loop unrolled, so that the column loop is the pipelined one
+    N_TILES: tl.constexpr,  # column tiles a program computes, the block's rows, scales and ranks read once for all
+    FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr, B_TMA: tl.constexpr,
+    RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
+    of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
+    program of one output tile is mostly its prologue (the block's routes, expert, scales, and with LORA the
+    rows' adapters and ranks) and its store; here the prologue is paid once for ``N_TILES`` tiles, and the
+    next tile's weights are in flight while one is stored."""
+    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    routes = tl.load(sorted_ids_ptr + offs_m, mask=offs_m < num_sorted, other=num_routes).to(tl.int64)
+    route_ok = routes < num_routes
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    first_tile = pid_g * N_TILES
+    if expert == -1:
+        for j in range(N_TILES):
+            offs_n = (first_tile + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                     tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty),
+                     mask=route_ok[:, None] & (offs_n < N)[None, :])
+        return
+
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + routes[:, None] * stride_am + offs_k[None, :] * stride_ak
+    if FP8:
+        as_ptrs = a_scale_ptr + routes * stride_asm
+    if MUL_ROUTED_WEIGHT:
+        routed = tl.load(topk_weights_ptr + routes, mask=route_ok, other=0.0).to(tl.float32)
+    if LORA:
+        slot, wanted, ranks_t, first, first_rank, last, last_rank = _lora_rows(
+            routes, route_ok, expert, 0, t_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_slots, lora_experts,
+            N, max_rank, stride_tm, TOPK, BLOCK_R, RANK_GRANULE, lora_b_ptr.dtype.element_ty)
+        first_adapter = tl.where(first_rank > 0, first, 0)  # addresses of the B tiles (read only with a rank)
+        last_adapter = tl.where(last_rank > 0, last, 0)
+    for j in range(N_TILES):
+        tile = first_tile + j
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        b_cols = offs_n % N  # columns past N read a valid column's weights, never stored
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in tl.static_range(K_TILES):
+            if EVEN_K:
+                a = tl.load(a_ptrs + kt * BLOCK_K * stride_ak, mask=route_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < K - kt * BLOCK_K
+                a = tl.load(a_ptrs + kt * BLOCK_K * stride_ak, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
+            if B_TMA:
+                b = b_desc.load([expert.to(tl.int32), tile * BLOCK_N, kt * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+            else:
+                b_ptrs = b_ptr + expert * stride_be + b_cols[None, :] * stride_bn + (kt * BLOCK_K + offs_k)[:, None] * stride_bk
+                if EVEN_K:
+                    b = tl.load(b_ptrs)
+                else:
+                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            if FP8:
+                a_scale = tl.load(as_ptrs + kt * stride_ask, mask=route_ok, other=0.0)
+                if SCALE_BLOCK_N % BLOCK_N == 0:
+                    b_scale = tl.load(b_scale_ptr + expert * stride_se + (tile * BLOCK_N // SCALE_BLOCK_N) * stride_sn
+                                      + kt * stride_sk)
+                    acc += tl.dot(a, b) * (a_scale * b_scale)[:, None]
+                else:
+                    b_scale = tl.load(b_scale_ptr + expert * stride_se + (b_cols // SCALE_BLOCK_N) * stride_sn
+                                      + kt * stride_sk)
+                    acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+            else:
+                acc = tl.dot(a, b, acc=acc)
+        if LORA:
+            first_b = _lora_b_tile(lora_b_ptr, first_adapter, first_rank, expert, offs_n, n_ok, stride_ll, stride_le,
+                                   stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+            last_b = _lora_b_tile(lora_b_ptr, last_adapter, last_rank, expert, offs_n, n_ok, stride_ll, stride_le,
+                                  stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+            acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
+                            ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+        if MUL_ROUTED_WEIGHT:
+            acc *= routed[:, None]
+        tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+                 mask=route_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -231,14 +327,12 @@ def _lora_b_tile(lora_b_ptr, adapter, rank, expert, offs_n, n_ok, stride_ll, str
 
 
 @triton.jit
-def _lora_prefetch(routes, route_ok, expert, offs_n, n_ok, first_n,
-                   t_ptr, b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
-                   num_slots, lora_experts, half_width, max_rank,
-                   stride_tm, stride_bl, stride_be, stride_bn, stride_br,
-                   TOPK: tl.constexpr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
-    """What the epilogue over SGLang's blocks reads: each row's slot, whether it has a delta here and its ranks
-    (the tile's half); the lowest and the highest slot among those rows (``num_slots`` and -1 if none) and
-    their B tiles (the highest's only if it is another adapter)."""
+def _lora_rows(routes, route_ok, expert, first_n, t_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+               num_slots, lora_experts, half_width, max_rank, stride_tm,
+               TOPK: tl.constexpr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr, B_DTYPE: tl.constexpr):
+    """What the epilogue over SGLang's blocks reads of a block's rows: each row's slot, whether it has a delta
+    here and its ranks (the half of column ``first_n``); the lowest and the highest slot among those rows
+    (``num_slots`` and -1 if none) and their ranks (the highest's 0 unless it is another adapter)."""
     slot = tl.load(token_lora_ptr + routes // TOPK, mask=route_ok, other=-1)
     known = route_ok & (slot >= 0) & (slot < num_slots) & (expert < lora_experts)
     slot = tl.where(known, slot, 0)
@@ -249,16 +343,28 @@ def _lora_prefetch(routes, route_ok, expert, offs_n, n_ok, first_n,
     # Each row's own ranks only: the shrink writes no others (and the buffer is not cleared).
     t = tl.load(t_ptr + routes[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
                 mask=wanted[:, None] & (offs_r[None, :] < _granule(rank, RANK_GRANULE)[:, None]), other=0.0)
-    t = tl.where(offs_r[None, :] < rank[:, None], t, 0.0).to(b_ptr.dtype.element_ty)
+    t = tl.where(offs_r[None, :] < rank[:, None], t, 0.0).to(B_DTYPE)
     first = tl.min(tl.where(wanted, slot, num_slots), 0)
     last = tl.max(tl.where(wanted, slot, -1), 0)
     first_rank = tl.max(tl.where(wanted & (slot == first), rank, 0), 0)
     last_rank = tl.max(tl.where(wanted & (slot == last) & (last > first), rank, 0), 0)
-    first_b = _lora_b_tile(b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
-                           stride_bl, stride_be, stride_bn, stride_br, BLOCK_R, RANK_GRANULE)
-    last_b = _lora_b_tile(b_ptr, tl.where(last_rank > 0, last, 0), last_rank, expert, offs_n, n_ok,
-                          stride_bl, stride_be, stride_bn, stride_br, BLOCK_R, RANK_GRANULE)
-    return slot, wanted, rank, t, first, first_b, last, last_b
+    return slot, wanted, t, first, first_rank, last, last_rank
+
+
+@triton.jit
+def _lora_add(acc, slot, wanted, t, first, first_b, last, last_b, expert, offs_n, n_ok, b_ptr, ranks_ptr,
+              num_slots, stride_bl, stride_be, stride_bn, stride_br, BLOCK_R: tl.constexpr,
+              RANK_GRANULE: tl.constexpr):
+    """``acc[row] += t[row] @ B[row's adapter, expert, tile columns].T``: the lowest adapter's rows from
+    ``first_b``, the highest's from ``last_b``, any between from their own B tiles (:func:`_lora_rest`)."""
+    if first < num_slots:  # a row with a delta
+        acc += tl.dot(tl.where((wanted & (slot == first))[:, None], t, tl.zeros_like(t)), first_b)
+    if last > first:
+        acc += tl.dot(tl.where((wanted & (slot == last))[:, None], t, tl.zeros_like(t)), last_b)
+        if last > first + 1:
+            acc = _lora_rest(acc, slot, wanted, t, first, last, expert, offs_n, n_ok, b_ptr, ranks_ptr,
+                             stride_bl, stride_be, stride_bn, stride_br, BLOCK_R, RANK_GRANULE)
+    return acc
 
 
 @triton.jit
@@ -334,7 +440,7 @@ class LoRAEpilogue:
 def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, expert_ids,
              num_post_padded, routes_per_a_row: int, mul_routed_weight: bool, tile: dict,
              scale_block_n: int = 1, topk: int | None = None, lora: LoRAEpilogue | None = None,
-             weights_by_tma: bool = False, key_groups: int = 0) -> None:
+             weights_by_tma: bool = False, key_groups: int = 0, n_tiles: int = 0) -> None:
     """One expert GEMM over SGLang's sorted route list, written route-major into ``out`` (R, N).
 
     ``a`` is fp8 with per-row, per-K-group ``a_scale`` when ``w_scale`` is given (block fp8); then
@@ -344,7 +450,9 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     divide a half). ``weights_by_tma``: the weight tiles loaded through a tensor descriptor (Hopper).
     ``key_groups``: the route list is :func:`~sglang_lora_tma_guard.lora_moe.route_all`'s (its sorted ids,
     block keys and rows used in place of SGLang's three), ``key_groups`` its groups per expert (slots + 1):
-    every block has one adapter, or none, and its epilogue adds one delta.
+    every block has one adapter, or none, and its epilogue adds one delta. ``n_tiles``: each program computes
+    that many column tiles (:func:`_moe_gemm_wide_kernel`: one A row per route, no bias, SGLang's route list,
+    K of at most ``WIDE_K_TILES`` tiles); ``tile["GROUP_M"]`` is then unused.
     """
     experts, n, k = w.shape
     fp8 = w_scale is not None
@@ -383,6 +491,26 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, tile["BLOCK_N"], block_k])
+    if n_tiles:
+        assert routes_per_a_row == 1 and bias is None and not key_groups, "the wide GEMM takes SGLang's down GEMMs"
+        k_tiles = cdiv(k, block_k)
+        assert k_tiles <= WIDE_K_TILES, f"K={k} is {k_tiles} tiles of {block_k}, the wide GEMM unrolls {WIDE_K_TILES}"
+        wide = {name: value for name, value in tile.items() if name != "GROUP_M"}
+        grid = (cdiv(sorted_ids.shape[0], block_m), cdiv(cdiv(n, tile["BLOCK_N"]), n_tiles))
+        _moe_gemm_wide_kernel[grid](
+            a, a_scale if fp8 else a, w, out, w_scale if fp8 else w, topk_weights, sorted_ids, expert_ids,
+            num_post_padded, b_desc, *lora_args,
+            n, k, out.shape[0], sorted_ids.shape[0], lora_sizes[0], lora_sizes[1], lora_sizes[3],
+            a.stride(0), a.stride(1), a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
+            w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+            w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
+            *lora_strides,
+            TOPK=topk or 1, SCALE_BLOCK_N=scale_block_n, BLOCK_R=lora.block_r() if lora is not None else 16,
+            K_TILES=k_tiles, N_TILES=n_tiles, FP8=fp8, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
+            B_TMA=b_desc is not None, RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1,
+            EVEN_K=k % block_k == 0, **wide,
+        )
+        return
     grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, tile["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, a_scale if fp8 else a, w, out, bias if bias is not None else w, w_scale if fp8 else w,

@@ -77,7 +77,9 @@ def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
 
 
 def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, keyed=False):
-    lora, groups = inputs["lora"], 0
+    lora, groups, n_tiles = inputs["lora"], 0, 0
+    if keyed == "wide":  # SGLang's route list, three column tiles a program (the wide kernel)
+        keyed, n_tiles = False, 3
     if keyed:  # blocks of one expert and one adapter (lora_moe.route_all)
         routing = lora_moe.route_all(inputs["topk_ids"], lora.token_lora, lora.enabled, lora.ranks, EXPERTS,
                                      LORA_EXPERTS, block_m)
@@ -91,11 +93,13 @@ def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma
     moe_gemm.moe_gemm(inputs["a"], inputs["w"], out, a_scale=inputs["a_scale"], w_scale=inputs["w_scale"], bias=None,
                       topk_weights=inputs["weights"].reshape(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                       num_post_padded=post_padded, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
-                      scale_block_n=128 if fp8 else 1, topk=TOPK, lora=lora, weights_by_tma=tma, key_groups=groups)
+                      scale_block_n=128 if fp8 else 1, topk=TOPK, lora=lora, weights_by_tma=tma, key_groups=groups,
+                      n_tiles=n_tiles)
     return out
 
 
-@pytest.mark.parametrize("keyed", [True, False], ids=["blocks-of-one-adapter", "sglangs-route-list"])
+@pytest.mark.parametrize("keyed", [True, False, "wide"],
+                         ids=["blocks-of-one-adapter", "sglangs-route-list", "sglangs-route-list-wide"])
 @pytest.mark.parametrize("fp8, shared_outer, tma, n, k, block_m, block_n, block_k", [
     # All out of the default run: the fused down launch is not placed by =fast (measured slower).
     pytest.param(False, False, False, 200, 72, 16, 32, 32, marks=pytest.mark.slow),
@@ -111,5 +115,5 @@ def test_the_epilogue_adds_each_routes_own_adapter_delta(fp8, shared_outer, tma,
     err = float((out - expected).abs().max() / expected.abs().max())
     assert err < TOLERANCE, err
     # The deltas are not small beside the base rows: a dropped or doubled one would fail the bound.
-    base_only = run({**inputs, "lora": None}, n, block_m, block_n, block_k, fp8, tma).float()
+    base_only = run({**inputs, "lora": None}, n, block_m, block_n, block_k, fp8, tma, "wide" if keyed == "wide" else False).float()
     assert float((base_only - expected).abs().max() / expected.abs().max()) > 50 * TOLERANCE
