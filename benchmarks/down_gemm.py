@@ -98,9 +98,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     def sglang_quantize():
         from sglang.kernels.ops.moe import fused_moe_triton_kernels as kernels  # as its launcher imports it
 
-        sglang_per_token_group_quant_fp8 = kernels.sglang_per_token_group_quant_fp8
-
-        return sglang_per_token_group_quant_fp8(act, FP8_BLOCK[1])[0]
+        return kernels.sglang_per_token_group_quant_fp8(act, FP8_BLOCK[1])[0]
 
     sorted_ids, expert_ids, post = problem.alignment
     parts = {

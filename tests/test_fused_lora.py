@@ -115,5 +115,6 @@ def test_the_epilogue_adds_each_routes_own_adapter_delta(fp8, shared_outer, tma,
     err = float((out - expected).abs().max() / expected.abs().max())
     assert err < TOLERANCE, err
     # The deltas are not small beside the base rows: a dropped or doubled one would fail the bound.
-    base_only = run({**inputs, "lora": None}, n, block_m, block_n, block_k, fp8, tma, "wide" if keyed == "wide" else False).float()
+    base_only = run({**inputs, "lora": None}, n, block_m, block_n, block_k, fp8, tma,
+                    "wide" if keyed == "wide" else False).float()
     assert float((base_only - expected).abs().max() / expected.abs().max()) > 50 * TOLERANCE
