@@ -11,10 +11,11 @@ among them and the base model), CUDA-graph replays, best of 5 x 50, interleaved.
 - ``sglang``: SGLang's ``invoke_fused_moe_kernel`` for the down GEMM (its fp8 quantization of the input
   included, weights by TMA where its config asks); ``sglang quantize``: that quantization alone;
 - ``quantize``: this package's (``moe_gemm.quantize_per_group``);
-- ``own ...``: ``moe_gemm`` on the quantized input, SGLang's tile unless the row names a change
-  (``BLOCK_M`` other than SGLang's walks a route list aligned to it);
+- ``own ...``: ``moe_gemm`` on the quantized input, SGLang's tile unless the row names a change;
+- ``wide ...``: ``moe_gemm`` with ``n_tiles`` (the wide kernel: one block against several column tiles);
 - ``hook``: the fast path's down hook (``lora_moe.add_delta``, tuned tiles) on SGLang's output;
   ``shrink``: the down shrink alone (what the fused GEMM needs before it);
+- ``wide + LoRA ...``: the wide kernel with the expand in its epilogue, over SGLang's route list;
 - ``own + LoRA, SGLang's blocks`` / ``..., segments`` / ``..., one-adapter blocks``: the GEMM with the
   expand in its epilogue, over SGLang's route list (rows of any adapter in any order), over the same
   blocks with each expert's rows ordered by adapter (one sort key more, no padding per adapter), over
@@ -35,6 +36,13 @@ from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
 from harness import tables
 
 TOKENS = [1024, 4096, 8192]
+WIDE = [(16, {}), (16, {"num_stages": 2}), (8, {"num_stages": 2}), (16, {"num_stages": 2, "num_warps": 8}),
+        (32, {"BLOCK_N": 64, "num_stages": 2}), (32, {"BLOCK_N": 64}), (16, {"BLOCK_N": 64})]
+"""The wide GEMM's variants: column tiles a program, and changes to SGLang's tile."""
+
+
+def label(n_tiles: int, change: dict) -> str:
+    return ", ".join([f"N_TILES={n_tiles}", *(f"{k}={v}" for k, v in change.items())])
 
 
 def segment_alignment(topk_ids: torch.Tensor, groups: torch.Tensor, block_m: int, num_experts: int):
@@ -60,7 +68,6 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
 
     from harness.tiny_moe import FP8_BLOCK
     from sglang_lora_tma_guard import lora_moe, lora_path, moe_gemm, tuning
-    from sglang_lora_tma_guard.tiny_moe import align_block_size
 
     batch = lora_batch(shape, ranks_name, tokens, weights)
     problem, info, use_tma, act, c3 = batch.problem, batch.info, batch.use_tma, batch.act, batch.cache3
@@ -80,7 +87,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     has = (per_route_slot >= 0) & (enabled.long()[per_route_slot.clamp(min=0)] != 0) & (
         ranks.long()[per_route_slot.clamp(min=0)] > 0)
     groups = torch.where(has, per_route_slot + 1, 0)
-    lists = {bm: align_block_size(ids, bm, experts) for bm in {block_m, 32, 128}}
+    lists = {block_m: problem.alignment}
     segments = segment_alignment(ids, groups, block_m, experts)
     keyed = lora_moe.route_all(ids, slots, enabled, ranks, experts, db.shape[1], block_m)
     launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
@@ -109,23 +116,15 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
         "sglang quantize": sglang_quantize,
         "quantize": lambda: moe_gemm.quantize_per_group(act, FP8_BLOCK[1])[0],
         "own": lambda: own(),
-        f"own, TMA {'off' if use_tma else 'on'}": lambda: own(tma=not use_tma),
-        **{f"own, {k}={v}": (lambda k=k, v=v: own(**{k: v}))
-           for k, values in (("num_stages", (2, 4, 5)), ("num_warps", (8,)), ("GROUP_M", (1, 8, 32)),
-                             ("BLOCK_N", (64, 256)), ("BLOCK_M", (32, 128)))
-           for v in values if base_tile[k] != v},
-        **{f"wide, N_TILES={n}{change_name}": (lambda n=n, c=change: own(n_tiles=n, **c))
-           for n in (4, 8, 16) for change_name, change in (("", {}), (", num_stages=2", {"num_stages": 2}),
-                                                         (", num_warps=8", {"num_warps": 8}))},
+        "own, GROUP_M=8": lambda: own(GROUP_M=8),
+        **{f"wide, {label(n, c)}": (lambda n=n, c=c: own(n_tiles=n, **c)) for n, c in WIDE},
         "hook": lambda: lora_moe.add_delta(c3, act, da, db, routing, max_rank=r, halves=1, topk_weights=w,
                                            config=tiles.down),
         "shrink": lambda: lora_moe.shrink(act, da, routing, topk=topk, max_rank=r, halves=1, config=tiles.down),
         "own + LoRA, SGLang's blocks": lambda: own(lora),
         "own + LoRA, SGLang's blocks, GROUP_M=8": lambda: own(lora, GROUP_M=8),
         "own + LoRA, SGLang's blocks, TMA off": lambda: own(lora, tma=False),
-        **{f"wide + LoRA, N_TILES={n}{change_name}": (lambda n=n, c=change: own(lora, n_tiles=n, **c))
-           for n in (4, 8, 16) for change_name, change in (("", {}), (", num_stages=2", {"num_stages": 2}),
-                                                         (", num_warps=8", {"num_warps": 8}))},
+        **{f"wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, n_tiles=n, **c)) for n, c in WIDE},
         "own + LoRA, segments": lambda: own(lora, blocks=segments),
         "own + LoRA, one-adapter blocks": lambda: own(lora, blocks=(keyed.sorted_ids, keyed.block_key, keyed.rows_used),
                                                       key_groups=ranks.numel() + 1),

@@ -34,6 +34,8 @@ QUANTIZE_ROWS = 16
 """Rows of one K group each program of :func:`quantize_per_group` quantizes."""
 WIDE_K_TILES = 8
 """The most K tiles :func:`_moe_gemm_wide_kernel` unrolls."""
+WIDE_R_CHUNK = 16
+"""Ranks a step of :func:`_moe_gemm_wide_kernel`'s LoRA epilogue."""
 
 # The fp8 quantization of GEMM inputs, as SGLang does it: scale = max(|x|, QUANT_EPS) / FP8_MAX.
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -213,6 +215,7 @@ def _moe_gemm_wide_kernel(
     N_TILES: tl.constexpr,  # column tiles a program computes, the block's rows, scales and ranks read once for all
     FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr, B_TMA: tl.constexpr,
     RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
+    R_CHUNK: tl.constexpr,  # with LORA: ranks a step of the epilogue (BLOCK_R a multiple of it)
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -242,54 +245,83 @@ def _moe_gemm_wide_kernel(
     if MUL_ROUTED_WEIGHT:
         routed = tl.load(topk_weights_ptr + routes, mask=route_ok, other=0.0).to(tl.float32)
     if LORA:
-        slot, wanted, ranks_t, first, first_rank, last, last_rank = _lora_rows(
-            routes, route_ok, expert, 0, t_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_slots, lora_experts,
-            N, max_rank, stride_tm, TOPK, BLOCK_R, RANK_GRANULE, lora_b_ptr.dtype.element_ty)
-        first_adapter = tl.where(first_rank > 0, first, 0)  # addresses of the B tiles (read only with a rank)
-        last_adapter = tl.where(last_rank > 0, last, 0)
-    for j in range(N_TILES):
-        tile = first_tile + j
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        b_cols = offs_n % N  # columns past N read a valid column's weights, never stored
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in tl.static_range(K_TILES):
+        slot, wanted, rank, first, first_rank, last, last_rank = _lora_slots(
+            routes, route_ok, expert, token_lora_ptr, enabled_ptr, ranks_ptr, num_slots, lora_experts, TOPK)
+    if not FP8:
+        as_ptrs = a_ptrs
+    if not MUL_ROUTED_WEIGHT:
+        routed = route_ok
+    if not LORA:
+        slot, wanted, rank, first, first_rank, last, last_rank = route_ok, route_ok, route_ok, 0, 0, 0, 0
+    # Two copies of the column loop: with adapters between the block's lowest and highest (its rows not
+    # ordered by adapter: rare) the epilogue has a loop of its own, and Triton pipelines innermost loops only.
+    if LORA and last > first + 1:
+        for j in range(N_TILES):
+            _wide_tile(first_tile + j, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr,
+                       b_scale_ptr, t_ptr, lora_b_ptr, ranks_ptr, slot, wanted, rank, first, first_rank, last, last_rank,
+                       N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se,
+                       stride_sn, stride_sk, stride_tm, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
+                       BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
+                       EVEN_K, R_CHUNK, True)
+    else:
+        for j in range(N_TILES):
+            _wide_tile(first_tile + j, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr,
+                       b_scale_ptr, t_ptr, lora_b_ptr, ranks_ptr, slot, wanted, rank, first, first_rank, last, last_rank,
+                       N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se,
+                       stride_sn, stride_sk, stride_tm, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
+                       BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
+                       EVEN_K, R_CHUNK, False)
+
+
+@triton.jit
+def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr, b_scale_ptr,
+               t_ptr, lora_b_ptr, ranks_ptr, slot, wanted, rank, first, first_rank, last, last_rank,
+               N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
+               stride_sk, stride_tm, stride_ll, stride_le, stride_ln, stride_lr,
+               SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+               LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
+               R_CHUNK: tl.constexpr, REST: tl.constexpr):
+    """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored (``REST``: the block
+    holds adapters between its lowest and its highest)."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    b_cols = offs_n % N  # columns past N read a valid column's weights, never stored
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in tl.static_range(K_TILES):
+        if EVEN_K:
+            a = tl.load(a_ptrs + kt * BLOCK_K * stride_ak, mask=route_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K - kt * BLOCK_K
+            a = tl.load(a_ptrs + kt * BLOCK_K * stride_ak, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
+        if B_TMA:
+            b = b_desc.load([expert.to(tl.int32), tile * BLOCK_N, kt * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b_ptrs = b_ptr + expert * stride_be + b_cols[None, :] * stride_bn + (kt * BLOCK_K + offs_k)[:, None] * stride_bk
             if EVEN_K:
-                a = tl.load(a_ptrs + kt * BLOCK_K * stride_ak, mask=route_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs)
             else:
-                k_ok = offs_k < K - kt * BLOCK_K
-                a = tl.load(a_ptrs + kt * BLOCK_K * stride_ak, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
-            if B_TMA:
-                b = b_desc.load([expert.to(tl.int32), tile * BLOCK_N, kt * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if FP8:
+            a_scale = tl.load(as_ptrs + kt * stride_ask, mask=route_ok, other=0.0)
+            if SCALE_BLOCK_N % BLOCK_N == 0:
+                b_scale = tl.load(b_scale_ptr + expert * stride_se + (tile * BLOCK_N // SCALE_BLOCK_N) * stride_sn
+                                  + kt * stride_sk)
+                acc += tl.dot(a, b) * (a_scale * b_scale)[:, None]
             else:
-                b_ptrs = b_ptr + expert * stride_be + b_cols[None, :] * stride_bn + (kt * BLOCK_K + offs_k)[:, None] * stride_bk
-                if EVEN_K:
-                    b = tl.load(b_ptrs)
-                else:
-                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            if FP8:
-                a_scale = tl.load(as_ptrs + kt * stride_ask, mask=route_ok, other=0.0)
-                if SCALE_BLOCK_N % BLOCK_N == 0:
-                    b_scale = tl.load(b_scale_ptr + expert * stride_se + (tile * BLOCK_N // SCALE_BLOCK_N) * stride_sn
-                                      + kt * stride_sk)
-                    acc += tl.dot(a, b) * (a_scale * b_scale)[:, None]
-                else:
-                    b_scale = tl.load(b_scale_ptr + expert * stride_se + (b_cols // SCALE_BLOCK_N) * stride_sn
-                                      + kt * stride_sk)
-                    acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
-            else:
-                acc = tl.dot(a, b, acc=acc)
-        if LORA:
-            first_b = _lora_b_tile(lora_b_ptr, first_adapter, first_rank, expert, offs_n, n_ok, stride_ll, stride_le,
-                                   stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
-            last_b = _lora_b_tile(lora_b_ptr, last_adapter, last_rank, expert, offs_n, n_ok, stride_ll, stride_le,
-                                  stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
-            acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
-                            ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
-        if MUL_ROUTED_WEIGHT:
-            acc *= routed[:, None]
-        tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-                 mask=route_ok[:, None] & n_ok[None, :])
+                b_scale = tl.load(b_scale_ptr + expert * stride_se + (b_cols // SCALE_BLOCK_N) * stride_sn
+                                  + kt * stride_sk)
+                acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        else:
+            acc = tl.dot(a, b, acc=acc)
+    if LORA:
+        acc = _lora_add_chunked(acc, routes, slot, wanted, rank, first, first_rank, last, last_rank, expert, offs_n,
+                                n_ok, t_ptr, lora_b_ptr, ranks_ptr, stride_tm, stride_ll, stride_le, stride_ln,
+                                stride_lr, BLOCK_R, R_CHUNK, RANK_GRANULE, REST)
+    if MUL_ROUTED_WEIGHT:
+        acc *= routed[:, None]
+    tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=route_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -317,9 +349,10 @@ def _lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le):
 
 @triton.jit
 def _lora_b_tile(lora_b_ptr, adapter, rank, expert, offs_n, n_ok, stride_ll, stride_le, stride_ln, stride_lr,
-                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
-    """Adapter ``adapter``'s B tile (ranks x the tile's columns), zero from its ``rank`` on; rank 0 reads nothing."""
-    offs_r = tl.arange(0, BLOCK_R)
+                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr, R0: tl.constexpr = 0):
+    """Adapter ``adapter``'s B tile (ranks ``R0`` to ``R0 + BLOCK_R`` x the tile's columns), zero from its
+    ``rank`` on; ranks all past ``rank`` read nothing."""
+    offs_r = R0 + tl.arange(0, BLOCK_R)
     b = tl.load(_lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le) + offs_n[None, :] * stride_ln
                 + offs_r[:, None] * stride_lr,
                 mask=(offs_r[:, None] < _granule(rank, RANK_GRANULE)) & n_ok[None, :], other=0.0)
@@ -333,22 +366,68 @@ def _lora_rows(routes, route_ok, expert, first_n, t_ptr, token_lora_ptr, enabled
     """What the epilogue over SGLang's blocks reads of a block's rows: each row's slot, whether it has a delta
     here and its ranks (the half of column ``first_n``); the lowest and the highest slot among those rows
     (``num_slots`` and -1 if none) and their ranks (the highest's 0 unless it is another adapter)."""
+    slot, wanted, rank, first, first_rank, last, last_rank = _lora_slots(
+        routes, route_ok, expert, token_lora_ptr, enabled_ptr, ranks_ptr, num_slots, lora_experts, TOPK)
+    t = _lora_ranks(t_ptr, routes, wanted, rank, first_n // half_width * max_rank, stride_tm, BLOCK_R, RANK_GRANULE,
+                    B_DTYPE)
+    return slot, wanted, t, first, first_rank, last, last_rank
+
+
+@triton.jit
+def _lora_slots(routes, route_ok, expert, token_lora_ptr, enabled_ptr, ranks_ptr, num_slots, lora_experts,
+                TOPK: tl.constexpr):
+    """Each row's slot, whether it has a delta here and its adapter's rank; the lowest and the highest slot
+    among the rows with a delta (``num_slots`` and -1 if none) and their ranks (the highest's 0 unless it is
+    another adapter)."""
     slot = tl.load(token_lora_ptr + routes // TOPK, mask=route_ok, other=-1)
     known = route_ok & (slot >= 0) & (slot < num_slots) & (expert < lora_experts)
     slot = tl.where(known, slot, 0)
     rank = tl.load(ranks_ptr + slot, mask=known, other=0)
     wanted = known & (tl.load(enabled_ptr + slot, mask=known, other=0) != 0) & (rank > 0)
-    half = first_n // half_width  # gate (0) or up (1) half of a gated gate-up; 0 otherwise
-    offs_r = tl.arange(0, BLOCK_R)
-    # Each row's own ranks only: the shrink writes no others (and the buffer is not cleared).
-    t = tl.load(t_ptr + routes[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
-                mask=wanted[:, None] & (offs_r[None, :] < _granule(rank, RANK_GRANULE)[:, None]), other=0.0)
-    t = tl.where(offs_r[None, :] < rank[:, None], t, 0.0).to(B_DTYPE)
     first = tl.min(tl.where(wanted, slot, num_slots), 0)
     last = tl.max(tl.where(wanted, slot, -1), 0)
     first_rank = tl.max(tl.where(wanted & (slot == first), rank, 0), 0)
     last_rank = tl.max(tl.where(wanted & (slot == last) & (last > first), rank, 0), 0)
-    return slot, wanted, t, first, first_rank, last, last_rank
+    return slot, wanted, rank, first, first_rank, last, last_rank
+
+
+@triton.jit
+def _lora_ranks(t_ptr, routes, wanted, rank, first_column, stride_tm, BLOCK_R: tl.constexpr,
+                RANK_GRANULE: tl.constexpr, DTYPE: tl.constexpr, R0: tl.constexpr = 0):
+    """The rows' ranks ``R0`` to ``R0 + BLOCK_R`` of ``t`` (from column ``first_column``: a half's), each row's
+    own ranks only, in ``DTYPE``: the shrink writes no others (and the buffer is not cleared)."""
+    offs_r = R0 + tl.arange(0, BLOCK_R)
+    t = tl.load(t_ptr + routes[:, None] * stride_tm + (first_column + offs_r)[None, :],
+                mask=wanted[:, None] & (offs_r[None, :] < _granule(rank, RANK_GRANULE)[:, None]), other=0.0)
+    return tl.where(offs_r[None, :] < rank[:, None], t, 0.0).to(DTYPE)
+
+
+@triton.jit
+def _lora_add_chunked(acc, routes, slot, wanted, rank, first, first_rank, last, last_rank, expert, offs_n, n_ok,
+                      t_ptr, b_ptr, ranks_ptr, stride_tm, stride_bl, stride_be, stride_bn, stride_br,
+                      BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, RANK_GRANULE: tl.constexpr, REST: tl.constexpr):
+    """:func:`_lora_add` in chunks of ``R_CHUNK`` ranks, each chunk's ranks read (from L1) and B tiles loaded in
+    turn: no tile of every rank stays in registers across the wide kernel's column loop (at rank 64 they would
+    not fit beside its accumulator)."""
+    first_adapter = tl.where(first_rank > 0, first, 0)  # addresses of the B tiles (read only with a rank)
+    last_adapter = tl.where(last_rank > 0, last, 0)
+    for c in tl.static_range(BLOCK_R // R_CHUNK):
+        t = _lora_ranks(t_ptr, routes, wanted, rank, 0, stride_tm, R_CHUNK, RANK_GRANULE, b_ptr.dtype.element_ty,
+                        c * R_CHUNK)
+        b = _lora_b_tile(b_ptr, first_adapter, first_rank, expert, offs_n, n_ok, stride_bl, stride_be, stride_bn,
+                         stride_br, R_CHUNK, RANK_GRANULE, c * R_CHUNK)
+        acc += tl.dot(tl.where((wanted & (slot == first))[:, None], t, tl.zeros_like(t)), b)
+        b = _lora_b_tile(b_ptr, last_adapter, last_rank, expert, offs_n, n_ok, stride_bl, stride_be, stride_bn,
+                         stride_br, R_CHUNK, RANK_GRANULE, c * R_CHUNK)
+        acc += tl.dot(tl.where((wanted & (slot == last))[:, None], t, tl.zeros_like(t)), b)
+        if REST:  # adapters between the lowest and the highest: rows not ordered by adapter
+            for s in range(first + 1, last):
+                mine = wanted & (slot == s)
+                if tl.max(mine.to(tl.int32), 0) > 0:
+                    b = _lora_b_tile(b_ptr, s, tl.load(ranks_ptr + s), expert, offs_n, n_ok, stride_bl, stride_be,
+                                     stride_bn, stride_br, R_CHUNK, RANK_GRANULE, c * R_CHUNK)
+                    acc += tl.dot(tl.where(mine[:, None], t, tl.zeros_like(t)), b)
+    return acc
 
 
 @triton.jit
@@ -508,7 +587,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
             TOPK=topk or 1, SCALE_BLOCK_N=scale_block_n, BLOCK_R=lora.block_r() if lora is not None else 16,
             K_TILES=k_tiles, N_TILES=n_tiles, FP8=fp8, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
             B_TMA=b_desc is not None, RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1,
-            EVEN_K=k % block_k == 0, **wide,
+            EVEN_K=k % block_k == 0, R_CHUNK=min(WIDE_R_CHUNK, lora.block_r()) if lora is not None else 16, **wide,
         )
         return
     grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, tile["BLOCK_N"]),)
