@@ -34,8 +34,6 @@ QUANTIZE_ROWS = 16
 """Rows of one K group each program of :func:`quantize_per_group` quantizes."""
 WIDE_K_TILES = 8
 """The most K tiles :func:`_moe_gemm_wide_kernel` unrolls."""
-WIDE_R_CHUNK = 16
-"""Ranks a step of :func:`_moe_gemm_wide_kernel`'s LoRA epilogue."""
 
 # The fp8 quantization of GEMM inputs, as SGLang does it: scale = max(|x|, QUANT_EPS) / FP8_MAX.
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -215,7 +213,6 @@ def _moe_gemm_wide_kernel(
     N_TILES: tl.constexpr,  # column tiles a program computes, the block's rows, scales and ranks read once for all
     FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr, B_TMA: tl.constexpr,
     RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
-    R_CHUNK: tl.constexpr,  # with LORA: ranks a step of the epilogue (BLOCK_R a multiple of it)
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -247,43 +244,37 @@ def _moe_gemm_wide_kernel(
     if LORA:
         slot, wanted, rank, first, first_rank, last, last_rank = _lora_slots(
             routes, route_ok, expert, token_lora_ptr, enabled_ptr, ranks_ptr, num_slots, lora_experts, TOPK)
+        # The block's ranks once for all its column tiles (read again per tile they would be a gather of
+        # scattered rows each time); the B tiles per column tile.
+        ranks_t = _lora_ranks(t_ptr, routes, wanted, rank, 0, stride_tm, BLOCK_R, RANK_GRANULE,
+                              lora_b_ptr.dtype.element_ty)
     if not FP8:
         as_ptrs = a_ptrs
     if not MUL_ROUTED_WEIGHT:
         routed = route_ok
     if not LORA:
-        slot, wanted, rank, first, first_rank, last, last_rank = route_ok, route_ok, route_ok, 0, 0, 0, 0
-    # Two copies of the column loop: with adapters between the block's lowest and highest (its rows not
-    # ordered by adapter: rare) the epilogue has a loop of its own, and Triton pipelines innermost loops only.
-    if LORA and last > first + 1:
-        for j in range(N_TILES):
-            _wide_tile(first_tile + j, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr,
-                       b_scale_ptr, t_ptr, lora_b_ptr, ranks_ptr, slot, wanted, rank, first, first_rank, last, last_rank,
-                       N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se,
-                       stride_sn, stride_sk, stride_tm, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
-                       BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
-                       EVEN_K, R_CHUNK, True)
-    else:
-        for j in range(N_TILES):
-            _wide_tile(first_tile + j, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr,
-                       b_scale_ptr, t_ptr, lora_b_ptr, ranks_ptr, slot, wanted, rank, first, first_rank, last, last_rank,
-                       N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se,
-                       stride_sn, stride_sk, stride_tm, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
-                       BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
-                       EVEN_K, R_CHUNK, False)
+        slot, wanted, ranks_t, first, first_rank, last, last_rank = route_ok, route_ok, route_ok, 0, 0, 0, 0
+    # One column loop, the LoRA epilogue inside it (its B tiles per column tile; a block whose rows hold
+    # adapters between its lowest and highest loops over them too). Measured on an H200 at rank 16 this
+    # beats a loop split in two by that case and an epilogue in chunks of ranks.
+    for j in range(N_TILES):
+        _wide_tile(first_tile + j, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr,
+                   b_scale_ptr, lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last, last_rank,
+                   num_slots, N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                   stride_se, stride_sn, stride_sk, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
+                   BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
+                   EVEN_K)
 
 
 @triton.jit
 def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr, b_scale_ptr,
-               t_ptr, lora_b_ptr, ranks_ptr, slot, wanted, rank, first, first_rank, last, last_rank,
+               lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last, last_rank, num_slots,
                N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
-               stride_sk, stride_tm, stride_ll, stride_le, stride_ln, stride_lr,
+               stride_sk, stride_ll, stride_le, stride_ln, stride_lr,
                SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-               LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
-               R_CHUNK: tl.constexpr, REST: tl.constexpr):
-    """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored (``REST``: the block
-    holds adapters between its lowest and its highest)."""
+               LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr):
+    """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     b_cols = offs_n % N  # columns past N read a valid column's weights, never stored
@@ -315,9 +306,12 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
         else:
             acc = tl.dot(a, b, acc=acc)
     if LORA:
-        acc = _lora_add_chunked(acc, routes, slot, wanted, rank, first, first_rank, last, last_rank, expert, offs_n,
-                                n_ok, t_ptr, lora_b_ptr, ranks_ptr, stride_tm, stride_ll, stride_le, stride_ln,
-                                stride_lr, BLOCK_R, R_CHUNK, RANK_GRANULE, REST)
+        first_b = _lora_b_tile(lora_b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
+                               stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+        last_b = _lora_b_tile(lora_b_ptr, tl.where(last_rank > 0, last, 0), last_rank, expert, offs_n, n_ok,
+                              stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+        acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
+                        ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     if MUL_ROUTED_WEIGHT:
         acc *= routed[:, None]
     tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
@@ -349,10 +343,10 @@ def _lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le):
 
 @triton.jit
 def _lora_b_tile(lora_b_ptr, adapter, rank, expert, offs_n, n_ok, stride_ll, stride_le, stride_ln, stride_lr,
-                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr, R0: tl.constexpr = 0):
-    """Adapter ``adapter``'s B tile (ranks ``R0`` to ``R0 + BLOCK_R`` x the tile's columns), zero from its
-    ``rank`` on; ranks all past ``rank`` read nothing."""
-    offs_r = R0 + tl.arange(0, BLOCK_R)
+                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
+    """Adapter ``adapter``'s B tile (its ranks x the tile's columns), zero from its ``rank`` on; ranks all past
+    ``rank`` read nothing."""
+    offs_r = tl.arange(0, BLOCK_R)
     b = tl.load(_lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le) + offs_n[None, :] * stride_ln
                 + offs_r[:, None] * stride_lr,
                 mask=(offs_r[:, None] < _granule(rank, RANK_GRANULE)) & n_ok[None, :], other=0.0)
@@ -393,41 +387,13 @@ def _lora_slots(routes, route_ok, expert, token_lora_ptr, enabled_ptr, ranks_ptr
 
 @triton.jit
 def _lora_ranks(t_ptr, routes, wanted, rank, first_column, stride_tm, BLOCK_R: tl.constexpr,
-                RANK_GRANULE: tl.constexpr, DTYPE: tl.constexpr, R0: tl.constexpr = 0):
-    """The rows' ranks ``R0`` to ``R0 + BLOCK_R`` of ``t`` (from column ``first_column``: a half's), each row's
-    own ranks only, in ``DTYPE``: the shrink writes no others (and the buffer is not cleared)."""
-    offs_r = R0 + tl.arange(0, BLOCK_R)
+                RANK_GRANULE: tl.constexpr, DTYPE: tl.constexpr):
+    """The rows' ranks of ``t`` (from column ``first_column``: a half's), each row's own ranks only, in
+    ``DTYPE``: the shrink writes no others (and the buffer is not cleared)."""
+    offs_r = tl.arange(0, BLOCK_R)
     t = tl.load(t_ptr + routes[:, None] * stride_tm + (first_column + offs_r)[None, :],
                 mask=wanted[:, None] & (offs_r[None, :] < _granule(rank, RANK_GRANULE)[:, None]), other=0.0)
     return tl.where(offs_r[None, :] < rank[:, None], t, 0.0).to(DTYPE)
-
-
-@triton.jit
-def _lora_add_chunked(acc, routes, slot, wanted, rank, first, first_rank, last, last_rank, expert, offs_n, n_ok,
-                      t_ptr, b_ptr, ranks_ptr, stride_tm, stride_bl, stride_be, stride_bn, stride_br,
-                      BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, RANK_GRANULE: tl.constexpr, REST: tl.constexpr):
-    """:func:`_lora_add` in chunks of ``R_CHUNK`` ranks, each chunk's ranks read (from L1) and B tiles loaded in
-    turn: no tile of every rank stays in registers across the wide kernel's column loop (at rank 64 they would
-    not fit beside its accumulator)."""
-    first_adapter = tl.where(first_rank > 0, first, 0)  # addresses of the B tiles (read only with a rank)
-    last_adapter = tl.where(last_rank > 0, last, 0)
-    for c in tl.static_range(BLOCK_R // R_CHUNK):
-        t = _lora_ranks(t_ptr, routes, wanted, rank, 0, stride_tm, R_CHUNK, RANK_GRANULE, b_ptr.dtype.element_ty,
-                        c * R_CHUNK)
-        b = _lora_b_tile(b_ptr, first_adapter, first_rank, expert, offs_n, n_ok, stride_bl, stride_be, stride_bn,
-                         stride_br, R_CHUNK, RANK_GRANULE, c * R_CHUNK)
-        acc += tl.dot(tl.where((wanted & (slot == first))[:, None], t, tl.zeros_like(t)), b)
-        b = _lora_b_tile(b_ptr, last_adapter, last_rank, expert, offs_n, n_ok, stride_bl, stride_be, stride_bn,
-                         stride_br, R_CHUNK, RANK_GRANULE, c * R_CHUNK)
-        acc += tl.dot(tl.where((wanted & (slot == last))[:, None], t, tl.zeros_like(t)), b)
-        if REST:  # adapters between the lowest and the highest: rows not ordered by adapter
-            for s in range(first + 1, last):
-                mine = wanted & (slot == s)
-                if tl.max(mine.to(tl.int32), 0) > 0:
-                    b = _lora_b_tile(b_ptr, s, tl.load(ranks_ptr + s), expert, offs_n, n_ok, stride_bl, stride_be,
-                                     stride_bn, stride_br, R_CHUNK, RANK_GRANULE, c * R_CHUNK)
-                    acc += tl.dot(tl.where(mine[:, None], t, tl.zeros_like(t)), b)
-    return acc
 
 
 @triton.jit
@@ -587,7 +553,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
             TOPK=topk or 1, SCALE_BLOCK_N=scale_block_n, BLOCK_R=lora.block_r() if lora is not None else 16,
             K_TILES=k_tiles, N_TILES=n_tiles, FP8=fp8, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
             B_TMA=b_desc is not None, RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1,
-            EVEN_K=k % block_k == 0, R_CHUNK=min(WIDE_R_CHUNK, lora.block_r()) if lora is not None else 16, **wide,
+            EVEN_K=k % block_k == 0, **wide,
         )
         return
     grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, tile["BLOCK_N"]),)
