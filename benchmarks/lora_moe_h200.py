@@ -9,8 +9,9 @@ SGLang's ``TritonRunnerCore.run`` with the guard's weight TMA. Graphs, CUDA-grap
 5 x 50, interleaved:
 
 - whole hooked call (MoE + LoRA): ``default`` (SGLang's ``build_lora_hooks``: ``fused_moe_lora``),
-  ``fast`` (``sglang_lora_tma_guard.lora_path.build_hooks``), ``fused`` (the fast hooks with the down
-  expand in the down GEMM's epilogue, ``sglang_lora_tma_guard.fused_lora``), and the call without hooks;
+  ``fast`` (``sglang_lora_tma_guard.lora_path.build_hooks``, the down expand a hook), ``fused`` (the fast
+  hooks with the down expand in the down GEMM's epilogue where ``sglang_lora_tma_guard.fused_lora`` takes the
+  batch: what ``SGLANG_LORA_TMA_GUARD=fast`` serves), and the call without hooks;
 - the LoRA hooks alone (build + both hooks on fixed buffers): default, fast, and SGLang's own
   virtual-experts path (``--lora-use-virtual-experts``; wrong on gated MoE, timed for reference);
 - the floor: the LoRA weights the batch touches read once at 4.3 TB/s, at the true ranks.
@@ -146,7 +147,8 @@ def markdown(rows, meta) -> str:
         f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}; base experts "
         f"{BASE_NAMES[meta.get('base', 'fp8')]}. ms per call, "
         "CUDA-graph replay, best of 5 x 50 (interleaved); hooks built inside the graph in SGLang's capture mode; "
-        "weight TMA on. default = SGLang's LoRA MoE hooks (fused_moe_lora); fast = this package's (SGLANG_LORA_TMA_GUARD=fast); "
+        "weight TMA on. default = SGLang's LoRA MoE hooks (fused_moe_lora); fast = this package's hooks; "
+        "fused = the fast hooks, the down expand in the down GEMM where fused_lora takes the batch (SGLANG_LORA_TMA_GUARD=fast); "
         "VE = SGLang's --lora-use-virtual-experts path (wrong on gated MoE, timed for reference). Floor: the LoRA "
         f"weights the batch touches read once at {HBM_BYTES_PER_S / 1e12:.1f} TB/s (true ranks / padded to the max). "
         "Errors: max |delta - reference| / max |reference|, float32 PyTorch reference, 32 tokens spread over the batch.",

@@ -12,7 +12,8 @@ Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 
   (its ``build_lora_hooks``), the fast hooked call, the same with every LoRA kernel on the call's own
   stream (``one stream``: ``lora_path.OVERLAP`` off, the routing and gate-up shrink in the gate-up hook,
   after the gate-up GEMM, instead of beside it), and the fast hooked call with the down expand in the
-  down GEMM's epilogue (``fused``: ``sglang_lora_tma_guard.fused_lora``);
+  down GEMM's epilogue where ``sglang_lora_tma_guard.fused_lora`` takes the batch (``fused``: what
+  ``SGLANG_LORA_TMA_GUARD=fast`` serves);
 - each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
   gate-up shrink and expand, the down shrink and expand;
 - the fused down GEMM's parts: SGLang's down GEMM alone (its launcher, weights by TMA where the call asks),

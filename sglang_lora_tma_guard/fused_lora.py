@@ -16,11 +16,10 @@ GEMM, and ``after_down`` finds its buffer done (:meth:`DownWork.took`). Any othe
 SGLang's launcher untouched, and ``after_down`` then adds the delta itself: an offer that is not
 taken costs nothing and loses nothing. Not under ``torch.compile`` (the hooks' custom ops run there).
 
-Status: right (``tests/test_fast_lora.py``, ``tests/test_fused_lora.py``) but not placed by ``=fast``: on
-an H200 the hooked call is slower with it than with the hooks' expand (1.02-1.42x in 40 of 42 rows, equal in two)
-(``docs/lora_moe_floor.md``: the epilogue over blocks of one adapter costs less than the separate
-expand, but this package's base GEMM over those blocks costs more than SGLang's over its own).
-:func:`activate` places it (benchmarks, tests).
+Where it runs: ``=fast`` places it for the batches it is measured faster on (:data:`FASTER_MAX_RANK`,
+:data:`FASTER_MIN_ROUTES`, block-fp8 experts); every other batch keeps the hook's expand.
+:func:`activate` with ``everywhere`` takes every batch it covers (tests, benchmarks). Right:
+``tests/test_fast_lora.py``, ``tests/test_fused_lora.py``; measured: ``docs/lora_moe_floor.md``.
 """
 
 from __future__ import annotations
@@ -38,6 +37,16 @@ MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 NAME = "invoke_fused_moe_kernel"
 MAX_RANK = 64
 """Above this rank the epilogue's tiles would not fit in registers: the hooks' expand runs instead."""
+WIDE_N_TILES, WIDE_STAGES = 16, 2
+"""The wide down GEMM's column tiles a program and pipeline stages (SGLang's tile otherwise): the fastest
+variant at rank 16 on the GLM-5.1 TP8 down GEMM (``benchmarks/down_gemm.py``)."""
+FASTER_MAX_RANK, FASTER_MIN_ROUTES = 16, 32768
+"""Where ``=fast`` takes the fused down launch: adapters up to rank 16, batches of at least 32768 routes
+(4096 tokens at top-8), block-fp8 experts. Measured on an H200 (GLM-5.1 TP8 down GEMM, rank 16): the down
+side of a hooked call 0.29 ms fused against 0.27 ms unfused at 1024 tokens, 0.49 against 0.62 at 4096,
+0.73 against 1.07 at 8192; with mixed ranks up to 64 the fused one is slower at every size (its epilogue
+tiles do not fit in registers beside the accumulator)."""
+_everywhere = False
 
 # Launcher parameters the fused down GEMM reads, and the ones that may hold any value because they
 # change nothing it computes: b_use_tma (the weights by TMA here too), filter_expert (expert -1
@@ -104,39 +113,39 @@ class DownWork:
             return "LoRA weights in another dtype than the activations"
         if self.max_rank > MAX_RANK:
             return f"LoRA rank {self.max_rank} (the fused epilogue takes up to {MAX_RANK})"
-        from .lora_moe import MAX_KEYS
-
-        if B.shape[0] * (self.ranks.numel() + 1) + 1 > MAX_KEYS:  # route_all's (expert, adapter) keys
-            return f"{B.shape[0]} experts x {self.ranks.numel() + 1} adapter groups past the routing's {MAX_KEYS} keys"
+        if not _everywhere and not a["use_fp8_w8a8"]:
+            return "16-bit experts (the fused down GEMM is measured faster over block-fp8 experts only)"
         return None
 
     def run(self, a: dict) -> None:
         """The down shrink, then the down GEMM with the expand in its epilogue, into ``C``.
 
-        The GEMM walks its own route list (:func:`~sglang_lora_tma_guard.lora_moe.route_all`: blocks of
-        one expert and one adapter, the routing's block size), not SGLang's, whose blocks mix adapters:
-        each block then adds one delta, its B tile loaded before the K loop."""
+        The GEMM walks SGLang's route list, whose blocks mix adapters (the epilogue adds each row's own
+        delta), one block against ``WIDE_N_TILES`` column tiles a program where K is short enough
+        (:func:`~sglang_lora_tma_guard.moe_gemm.moe_gemm`'s ``n_tiles``: the block's rows, scales and ranks
+        read once for all its tiles)."""
         from . import lora_moe
-        from .moe_gemm import LoRAEpilogue, moe_gemm, quantize_per_group, tile
+        from .moe_gemm import WIDE_K_TILES, LoRAEpilogue, moe_gemm, quantize_per_group, tile
 
         A, B, C = a["A"], a["B"], a["C"]
         tokens, topk = self.topk_ids.shape
         t = lora_moe.shrink(A, self.lora_a, self.routing, topk=topk, max_rank=self.max_rank, halves=1,
                             config=self.shrink_tiles)
-        block_m = self.routing.block_m
-        blocks = lora_moe.route_all(self.topk_ids, self.token_lora, self.enabled, self.ranks, B.shape[0],
-                                    self.routing.num_experts, block_m)
         fp8 = bool(a["use_fp8_w8a8"])
         group_n, group_k = a["block_shape"] if fp8 else (1, None)
         x, x_scale = quantize_per_group(A, group_k) if fp8 else (A, None)
+        gemm_tile = tile(a["config"], a["config"]["BLOCK_SIZE_M"], group_k)
+        wide = -(-A.shape[1] // gemm_tile["BLOCK_K"]) <= WIDE_K_TILES
+        if wide:
+            gemm_tile["num_stages"] = WIDE_STAGES
         moe_gemm(x, B, C.view(tokens * topk, C.shape[2]), a_scale=x_scale, w_scale=a["B_scale"] if fp8 else None,
-                 bias=None, topk_weights=a["topk_weights"].view(-1), sorted_ids=blocks.sorted_ids,
-                 expert_ids=blocks.block_key, num_post_padded=blocks.rows_used, routes_per_a_row=1,
-                 mul_routed_weight=True, tile=tile(a["config"], block_m, group_k), scale_block_n=group_n,
-                 topk=topk, lora=LoRAEpilogue(t, self.lora_b, self.token_lora, self.enabled, self.ranks,
-                                              self.routing.num_experts, self.max_rank),
+                 bias=None, topk_weights=a["topk_weights"].view(-1), sorted_ids=a["sorted_token_ids"],
+                 expert_ids=a["expert_ids"], num_post_padded=a["num_tokens_post_padded"], routes_per_a_row=1,
+                 mul_routed_weight=True, tile=gemm_tile, scale_block_n=group_n, topk=topk,
+                 lora=LoRAEpilogue(t, self.lora_b, self.token_lora, self.enabled, self.ranks,
+                                   self.routing.num_experts, self.max_rank),
                  weights_by_tma=bool(a.get("b_use_tma")),  # where SGLang would take them by TMA itself
-                 key_groups=self.ranks.numel() + 1)
+                 n_tiles=WIDE_N_TILES if wide else 0)
         self.done = C
 
 
@@ -151,10 +160,13 @@ def _take_offer() -> DownWork | None:
     return work
 
 
-def ready() -> bool:
-    """Would a fused down launch be taken here now? (The launcher placed and on, no compilation.) Asked
-    for every fast batch: one flag read while nothing placed it, as in every server."""
+def ready(routes: int, max_rank: int) -> bool:
+    """Would a fused down launch be taken here now for a batch of ``routes`` routes (tokens x top-k) and
+    adapters up to ``max_rank``? (The launcher placed and on, no compilation; placed by ``=fast``, only where
+    it is measured faster.) Asked for every fast batch: a few reads while nothing placed it, as in every server."""
     if not PATCH.wanted:
+        return False
+    if not _everywhere and (max_rank > FASTER_MAX_RANK or routes < FASTER_MIN_ROUTES):
         return False
     import torch
 
@@ -221,9 +233,15 @@ def _is_default(value, default) -> bool:
 PATCH = Patch("fused LoRA down GEMM", MODULE, NAME, _make)
 
 
-def activate() -> None:
+def activate(everywhere: bool = False) -> None:
+    """Place the fused down launch: for the batches where it is measured faster (``=fast`` does so), or with
+    ``everywhere`` for every batch it covers (tests, benchmarks)."""
+    global _everywhere
+    _everywhere = everywhere
     PATCH.activate()
 
 
 def deactivate() -> None:
+    global _everywhere
+    _everywhere = False
     PATCH.deactivate()

@@ -154,7 +154,7 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
     shape = tuple(topk_ids.shape)
     theirs = []
     down_work = None
-    if fused_lora.ready():
+    if fused_lora.ready(tokens * topk, r):
         down_work = fused_lora.DownWork(topk_ids, lora_info.down_lora_a_weights, lora_info.down_lora_b_weights,
                                         routing, token_lora, enabled, ranks, r, tiles.down)
 
@@ -345,6 +345,10 @@ def activate(mode: Mode) -> None:
         logger.exception("unknown LoRA MoE mode %r; SGLang's hooks are used", mode)
         return
     PATCH.activate()
+    if _state.mode is Mode.FAST:
+        fused_lora.activate()  # the down delta in the down GEMM, for the batches it is measured faster on
+    else:
+        fused_lora.deactivate()
 
 
 def deactivate() -> None:
@@ -352,7 +356,7 @@ def deactivate() -> None:
     with LOCK:
         _state.mode = None
     PATCH.deactivate()
-    fused_lora.deactivate()  # placed only by hand (benchmarks, tests): measured slower than the hooks, see there
+    fused_lora.deactivate()
 
 
 def bypassed_by(server_args) -> str | None:

@@ -324,7 +324,7 @@ def test_fast_and_fused_calls_are_right_on_16_bit_experts_in_sglangs_runner(sgla
     hooks = real_lora.lora_hooks(problem, info)
     assert hooks.after_gate_up.__module__ == FAST
     fast = real_lora.run_runner(problem, hooks, use_tma=True)
-    fused_lora.activate()
+    fused_lora.activate(everywhere=True)
     try:
         fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
     finally:
@@ -337,14 +337,14 @@ def test_fast_and_fused_calls_are_right_on_16_bit_experts_in_sglangs_runner(sgla
 
 # The tiny MoE is gated, and SGLang's block-fp8 quantizer takes no partial K group: odd widths and an
 # un-gated gate-up are the kernel's own test (tests/test_fused_lora.py) and the hooks' test above.
-@pytest.mark.slow  # the fused down launch is not placed by =fast (measured slower): out of the default run
+@pytest.mark.slow  # =fast takes the fused down launch only for large batches: out of the default run
 @pytest.mark.parametrize("name", [p for p in case_params() if p.values[0] not in ("ungated", "odd-widths")])
 def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, runners, name, monkeypatch):
-    """With the fused down launch placed (``fused_lora``, not placed by ``=fast``: measured slower on the
-    H200) the down GEMM of a fast hooked call is this package's, the down delta in its epilogue: taken in
-    SGLang's own runner, the whole call as right as the unfused fast path (the float32 reference MoE;
-    tolerance as above, on outputs of size about 1), and the hook adds nothing twice. Taken away, the
-    same call goes through SGLang's down GEMM and the hook."""
+    """With the fused down launch taking every batch (``fused_lora.activate(everywhere=True)``) the down
+    GEMM of a fast hooked call is this package's, the down delta in its epilogue: taken in SGLang's own
+    runner, the whole call as right as the unfused fast path (the float32 reference MoE; tolerance as above,
+    on outputs of size about 1), and the hook adds nothing twice. Taken away, the same call goes through
+    SGLang's down GEMM and the hook."""
     from sglang_lora_tma_guard import fused_lora
 
     problem, info = make_case(name, seed=1)
@@ -353,8 +353,7 @@ def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, r
     monkeypatch.setattr(fused_lora.DownWork, "run", lambda self, a: taken.append(a["C"].shape) or run(self, a))
     reference = expected_moe(problem, ReferenceLoRAHooks(info))
     sglang_plugins("fast")
-    assert not fused_lora.PATCH.status().wanted  # =fast alone keeps the hooks' down expand
-    fused_lora.activate()
+    fused_lora.activate(everywhere=True)
     assert fused_lora.PATCH.status().working
     fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
     assert taken == [(TOKENS, CASES[name].topk, problem.w2.shape[1])]
@@ -366,25 +365,28 @@ def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, r
     assert tiny_moe.rel_err(fused, expected_moe(problem, None)) > 0.05  # the adapters do change the output
 
 
-@pytest.mark.slow  # the fused down launch is not placed by =fast
-def test_a_fused_down_launch_past_the_routings_keys_goes_to_sglang_and_the_hook(sglang_plugins, runners,
-                                                                                monkeypatch):
-    """More (expert, adapter) keys than a routing entry holds: the launch is SGLang's, the delta the hook's."""
+def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglang_plugins, runners, monkeypatch):
+    """``=fast`` places the fused down launch, for batches of rank-16 adapters or less and of at least
+    ``FASTER_MIN_ROUTES`` routes over block-fp8 experts: a small batch, or one with a rank-64 adapter, keeps
+    SGLang's down GEMM and the hook; a rank-16 batch over the size is taken. Right either way."""
     from sglang_lora_tma_guard import fused_lora
 
-    problem, info = make_case("mixed-ranks-top2", seed=1)
     taken = []
     run = fused_lora.DownWork.run
     monkeypatch.setattr(fused_lora.DownWork, "run", lambda self, a: taken.append(a["C"].shape) or run(self, a))
-    monkeypatch.setattr(lora_moe, "MAX_KEYS", problem.w2.shape[0] * (info.lora_ranks.numel() + 1))
     sglang_plugins("fast")
-    fused_lora.activate()
-    try:
-        output = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
-    finally:
-        fused_lora.deactivate()
-    assert taken == []
-    assert tiny_moe.rel_err(output, expected_moe(problem, ReferenceLoRAHooks(info))) < 1e-2
+    assert fused_lora.PATCH.status().working
+    low, mixed = make_case("mixed-ranks-top2", seed=1, ranks=(8, 16, 4, 16)), make_case("mixed-ranks-top2", seed=1)
+    outputs = {}
+    for min_routes in (TOKENS * 2 + 1, TOKENS * 2):  # the tiny case's routes: one short of the size, then at it
+        monkeypatch.setattr(fused_lora, "FASTER_MIN_ROUTES", min_routes)
+        for label, (problem, info) in {"low": low, "mixed": mixed}.items():
+            outputs[label, min_routes] = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+            assert tiny_moe.rel_err(outputs[label, min_routes], expected_moe(problem, ReferenceLoRAHooks(info))) < 1e-2
+    assert taken == [(TOKENS, 2, low[0].w2.shape[1])]  # the rank-16 batch at the size, only it
+    assert tiny_moe.rel_err(outputs["low", TOKENS * 2], outputs["low", TOKENS * 2 + 1]) > 0  # a GEMM of its own
+    fused_lora.deactivate()
+    assert not fused_lora.PATCH.status().working
 
 
 def test_guard_corrects_sglangs_virtual_experts_path(sglang_plugins, runners):
