@@ -108,6 +108,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     with capture_mode():  # hooks built as in a server's captured batch
         out = {kind: whole(kind) for kind in WHOLE}
         row["whole_rel_err_fast_vs_default"] = rel(out["fast"], out["default"])
+        row["whole_rel_err_fused_vs_fast"] = rel(out["fused"], out["fast"])  # 0: the batch was not taken
         row["lora_rel_of_output"] = rel(out["default"], out["nohook"])
         idx = sample_tokens(tokens)
         with_lora, without = (reference_output(problem, info, idx, lora) for lora in (True, False))
@@ -157,14 +158,14 @@ def markdown(rows, meta) -> str:
             ["shape", "ranks", "tokens", "whole: default", "whole: fast", "speed-up", "whole: fused", "speed-up",
              "no hooks", "LoRA: default",
              "LoRA: fast", "LoRA: VE", "LoRA speed-up", "floor (true / padded)", "fast / floor", "err default / fast",
-             "fast vs default (output)", "output err no hooks / default / fast / fused"],
+             "fast vs default / fused vs fast (output)", "output err no hooks / default / fast / fused"],
             ([r["shape"], r["ranks"], r["tokens"], f"{r['ms_whole_default']:.3f}", f"{r['ms_whole_fast']:.3f}",
               f"**{r['speedup_whole']:.2f}x**", f"{r['ms_whole_fused']:.3f}", f"**{r['speedup_whole_fused']:.2f}x**",
               f"{r['ms_whole_nohook']:.3f}", f"{r['ms_lora_default']:.3f}",
               f"{r['ms_lora_fast']:.3f}", f"{r['ms_lora_ve']:.3f}" if "ms_lora_ve" in r else "n/a",
               f"{r['speedup_lora']:.2f}x", f"{r['floor_ms']:.3f} / {r['floor_padded_ms']:.3f}",
               f"{r['lora_over_floor']:.2f}", f"{r['err_default']:.1e} / {r['err_fast']:.1e}",
-              f"{r['whole_rel_err_fast_vs_default']:.1e}",
+              f"{r['whole_rel_err_fast_vs_default']:.1e} / {r.get('whole_rel_err_fused_vs_fast', float('nan')):.1e}",
               " / ".join(f"{r[f'err_whole_{k}']:.1e}" for k in ("nohook", "default", "fast", "fused"))] for r in rows)),
     ]
     return "\n".join(lines) + "\n"

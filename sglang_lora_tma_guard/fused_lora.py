@@ -40,12 +40,12 @@ MAX_RANK = 64
 WIDE_N_TILES, WIDE_STAGES = 16, 2
 """The wide down GEMM's column tiles a program and pipeline stages (SGLang's tile otherwise): the fastest
 variant at rank 16 on the GLM-5.1 TP8 down GEMM (``benchmarks/down_gemm.py``)."""
-FASTER_MAX_RANK, FASTER_MIN_ROUTES = 16, 32768
-"""Where ``=fast`` takes the fused down launch: adapters up to rank 16, batches of at least 32768 routes
-(4096 tokens at top-8), block-fp8 experts. Measured on an H200 (GLM-5.1 TP8 down GEMM, rank 16): the down
-side of a hooked call 0.29 ms fused against 0.27 ms unfused at 1024 tokens, 0.49 against 0.62 at 4096,
-0.73 against 1.07 at 8192; with mixed ranks up to 64 the fused one is slower at every size (its epilogue
-tiles do not fit in registers beside the accumulator)."""
+FASTER_MAX_RANK, FASTER_MIN_ROUTES = 16, 16384
+"""Where ``=fast`` takes the fused down launch: adapters up to rank 16, batches of at least 16384 routes
+(2048 tokens at top-8), block-fp8 experts. Measured on an H200 (``benchmarks/down_gemm.py``, GLM-5.1 TP8
+down GEMM, rank 16): the down side of a hooked call 0.29 ms fused against 0.27 ms unfused at 1024 tokens,
+0.37 against 0.40 at 2048, 0.49 against 0.62 at 4096, 0.73 against 1.07 at 8192; with mixed ranks up to 64
+the fused one is slower at every size (its epilogue tiles do not fit in registers beside the accumulator)."""
 _everywhere = False
 
 # Launcher parameters the fused down GEMM reads, and the ones that may hold any value because they
