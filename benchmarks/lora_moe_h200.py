@@ -1,6 +1,7 @@
 """The fast LoRA MoE path against SGLang's default LoRA MoE path, on a Hopper GPU.
 
     python -m benchmarks.lora_moe_h200 [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--out results] [--base fp8|bf16]
+        [--rank-sets mixed r16]
 
 Per shape (``_bench.SHAPES``), rank set (4 adapters of ranks 8/16/32/64 padded to 64; all 16 on the
 GLM-5.1 shape) and batch size, the ``benchmarks/lora_h200.py`` setup: SGLang's ``LoRAInfo`` with its
@@ -174,6 +175,8 @@ def markdown(rows, meta) -> str:
 def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, TOKENS)
     add_base_option(parser)
+    parser.add_argument("--rank-sets", nargs="+", default=None,
+                        help="mixed, or rN (four adapters of rank N); default mixed and r16 (GLM-5.1), mixed (others)")
     return run_batches(parser.parse_args(argv), "lora_moe_h200", measure, markdown)
 
 

@@ -16,8 +16,8 @@ GEMM, and ``after_down`` finds its buffer done (:meth:`DownWork.took`). Any othe
 SGLang's launcher untouched, and ``after_down`` then adds the delta itself: an offer that is not
 taken costs nothing and loses nothing. Not under ``torch.compile`` (the hooks' custom ops run there).
 
-Where it runs: ``=fast`` places it for the batches it is measured faster on (:data:`FASTER_MAX_RANK`,
-:data:`FASTER_MIN_ROUTES`, block-fp8 experts); every other batch keeps the hook's expand.
+Where it runs: ``=fast`` places it for the batches it is measured faster on (:data:`FASTER_FROM_ROUTES`:
+by max rank and batch size, block-fp8 experts); every other batch keeps the hook's expand.
 :func:`activate` with ``everywhere`` takes every batch it covers (tests, benchmarks). Right:
 ``tests/test_fast_lora.py``, ``tests/test_fused_lora.py``; measured: ``docs/lora_moe_floor.md``.
 """
@@ -37,15 +37,17 @@ MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 NAME = "invoke_fused_moe_kernel"
 MAX_RANK = 64
 """Above this rank the epilogue's tiles would not fit in registers: the hooks' expand runs instead."""
-WIDE_N_TILES, WIDE_STAGES = 16, 2
-"""The wide down GEMM's column tiles a program and pipeline stages (SGLang's tile otherwise): the fastest
-variant at rank 16 on the GLM-5.1 TP8 down GEMM (``benchmarks/down_gemm.py``)."""
-FASTER_MAX_RANK, FASTER_MIN_ROUTES = 16, 16384
-"""Where ``=fast`` takes the fused down launch: adapters up to rank 16, batches of at least 16384 routes
-(2048 tokens at top-8), block-fp8 experts. Measured on an H200 (``benchmarks/down_gemm.py``, GLM-5.1 TP8
-down GEMM, rank 16): the down side of a hooked call 0.29 ms fused against 0.27 ms unfused at 1024 tokens,
-0.37 against 0.40 at 2048, 0.49 against 0.62 at 4096, 0.73 against 1.07 at 8192; with mixed ranks up to 64
-the fused one is slower at every size (its epilogue tiles do not fit in registers beside the accumulator)."""
+WIDE_TILES = ((16, 16, {"num_stages": 2}), (MAX_RANK, 32, {"BLOCK_N": 64, "num_stages": 2}))
+"""The wide down GEMM's tile by the adapters' max rank: (up to that rank, column tiles a program, changes to
+SGLang's tile), the fastest variants on the GLM-5.1 TP8 down GEMM (``benchmarks/down_gemm.py``): past rank
+16 the epilogue's tiles need the narrower columns to stay in registers."""
+FASTER_FROM_ROUTES = ((8, 32768), (16, 16384), (32, 65536))
+"""Where ``=fast`` takes the fused down launch: (up to that max rank, from that many routes), block-fp8
+experts; none past rank 32. Measured on an H200 (``benchmarks/down_gemm.py``, the GLM-5.1 TP8 down GEMM;
+``benchmarks/results/lora_moe/down-gemm/``), the down side of a hooked call fused against unfused, ms:
+rank 16 0.29 / 0.27 at 1024 tokens, 0.37 / 0.40 at 2048, 0.49 / 0.62 at 4096, 0.73 / 1.07 at 8192 (top-8:
+8 routes a token); rank 8 0.42 / 0.39 at 2048, 0.56 / 0.64 at 4096; rank 32 0.79 / 0.72 at 4096, 1.08 /
+1.27 at 8192; ranks up to 64 slower at every size (1.34 / 1.23 at 8192)."""
 _everywhere = False
 
 # Launcher parameters the fused down GEMM reads, and the ones that may hold any value because they
@@ -121,7 +123,7 @@ class DownWork:
         """The down shrink, then the down GEMM with the expand in its epilogue, into ``C``.
 
         The GEMM walks SGLang's route list, whose blocks mix adapters (the epilogue adds each row's own
-        delta), one block against ``WIDE_N_TILES`` column tiles a program where K is short enough
+        delta), one block against several column tiles a program (:data:`WIDE_TILES`) where K is short enough
         (:func:`~sglang_lora_tma_guard.moe_gemm.moe_gemm`'s ``n_tiles``: the block's rows, scales and ranks
         read once for all its tiles)."""
         from . import lora_moe
@@ -135,9 +137,10 @@ class DownWork:
         group_n, group_k = a["block_shape"] if fp8 else (1, None)
         x, x_scale = quantize_per_group(A, group_k) if fp8 else (A, None)
         gemm_tile = tile(a["config"], a["config"]["BLOCK_SIZE_M"], group_k)
-        wide = -(-A.shape[1] // gemm_tile["BLOCK_K"]) <= WIDE_K_TILES
-        if wide:
-            gemm_tile["num_stages"] = WIDE_STAGES
+        n_tiles = 0
+        if -(-A.shape[1] // gemm_tile["BLOCK_K"]) <= WIDE_K_TILES:
+            n_tiles, change = next((n, change) for rank, n, change in WIDE_TILES if self.max_rank <= rank)
+            gemm_tile.update(change)
         moe_gemm(x, B, C.view(tokens * topk, C.shape[2]), a_scale=x_scale, w_scale=a["B_scale"] if fp8 else None,
                  bias=None, topk_weights=a["topk_weights"].view(-1), sorted_ids=a["sorted_token_ids"],
                  expert_ids=a["expert_ids"], num_post_padded=a["num_tokens_post_padded"], routes_per_a_row=1,
@@ -145,7 +148,7 @@ class DownWork:
                  lora=LoRAEpilogue(t, self.lora_b, self.token_lora, self.enabled, self.ranks,
                                    self.routing.num_experts, self.max_rank),
                  weights_by_tma=bool(a.get("b_use_tma")),  # where SGLang would take them by TMA itself
-                 n_tiles=WIDE_N_TILES if wide else 0)
+                 n_tiles=n_tiles)
         self.done = C
 
 
@@ -166,7 +169,7 @@ def ready(routes: int, max_rank: int) -> bool:
     it is measured faster.) Asked for every fast batch: a few reads while nothing placed it, as in every server."""
     if not PATCH.wanted:
         return False
-    if not _everywhere and (max_rank > FASTER_MAX_RANK or routes < FASTER_MIN_ROUTES):
+    if not _everywhere and routes < next((n for rank, n in FASTER_FROM_ROUTES if max_rank <= rank), routes + 1):
         return False
     import torch
 

@@ -366,9 +366,10 @@ def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, r
 
 
 def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglang_plugins, runners, monkeypatch):
-    """``=fast`` places the fused down launch, for batches of rank-16 adapters or less and of at least
-    ``FASTER_MIN_ROUTES`` routes over block-fp8 experts: a small batch, or one with a rank-64 adapter, keeps
-    SGLang's down GEMM and the hook; a rank-16 batch over the size is taken. Right either way."""
+    """``=fast`` places the fused down launch, for batches of adapters up to rank 32 over block-fp8 experts
+    with at least the routes ``FASTER_FROM_ROUTES`` names for their max rank: a batch short of that, or one
+    with a rank-64 adapter, keeps SGLang's down GEMM and the hook; a rank-16 batch at the size is taken.
+    Right either way."""
     from sglang_lora_tma_guard import fused_lora
 
     taken = []
@@ -379,7 +380,7 @@ def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglan
     low, mixed = make_case("mixed-ranks-top2", seed=1, ranks=(8, 16, 4, 16)), make_case("mixed-ranks-top2", seed=1)
     outputs = {}
     for min_routes in (TOKENS * 2 + 1, TOKENS * 2):  # the tiny case's routes: one short of the size, then at it
-        monkeypatch.setattr(fused_lora, "FASTER_MIN_ROUTES", min_routes)
+        monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", ((8, 10**9), (16, min_routes), (32, 10**9)))
         for label, (problem, info) in {"low": low, "mixed": mixed}.items():
             outputs[label, min_routes] = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
             assert tiny_moe.rel_err(outputs[label, min_routes], expected_moe(problem, ReferenceLoRAHooks(info))) < 1e-2
