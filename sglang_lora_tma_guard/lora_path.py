@@ -386,7 +386,8 @@ class PathStatus:
         if self.mode is None:
             return "SGLang's own LoRA MoE hooks"
         if self.mode == Mode.FAST:
-            return "fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch)"
+            return ("fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch; the down "
+                    "expand in the down GEMM for large batches up to rank 32)")
         if self.virtual_experts_fixed_upstream:
             return "SGLang's own LoRA MoE hooks (its virtual-experts path is right in this release)"
         return "SGLang's own LoRA MoE hooks; --lora-use-virtual-experts on gated MoE corrected"
