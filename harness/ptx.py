@@ -119,6 +119,23 @@ def fused_down(**meta) -> dict:
                     constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr"), num_stages=3)
 
 
+def wide_down(**meta) -> dict:
+    """The wide down GEMM with the LoRA epilogue as ``=fast`` launches it (``fused_lora.WIDE_TILES``):
+    block-fp8 weights by plain loads, SGLang's route list, the GLM-5.1 TP8 down GEMM (K 256: two tiles), rank
+    16 unless ``meta`` says otherwise."""
+    from sglang_lora_tma_guard import moe_gemm
+
+    constexprs = dict(TOPK=8, SCALE_BLOCK_N=128, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, BLOCK_R=16, K_TILES=2,
+                      N_TILES=16, FP8=True, MUL_ROUTED_WEIGHT=True, LORA=True, B_TMA=False, RANK_GRANULE=8,
+                      EVEN_K=True, b_desc=None)
+    constexprs.update(meta)
+    int32 = ("sorted_ids_ptr", "expert_ids_ptr", "num_post_padded_ptr", "token_lora_ptr", "enabled_ptr", "ranks_ptr")
+    return compiled(moe_gemm._moe_gemm_wide_kernel,
+                    types={"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "t_ptr": "*fp32", "topk_weights_ptr": "*fp32",
+                           "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", **dict.fromkeys(int32, "*i32")},
+                    constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr"), num_stages=2)
+
+
 CONFIGURATIONS = {
     "expand, one rank tile": lambda: expand(),
     "expand, rank tiles of 16": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, num_warps=4),
@@ -130,6 +147,8 @@ CONFIGURATIONS = {
     "fused down GEMM, blocks of one adapter": lambda: fused_down(),
     "fused down GEMM, SGLang's blocks": lambda: fused_down(KEYED=False),
     "fused down GEMM, blocks of one adapter, exact rank masks": lambda: fused_down(RANK_GRANULE=1),
+    "wide fused down GEMM, rank 16": lambda: wide_down(),
+    "wide fused down GEMM, rank 64": lambda: wide_down(BLOCK_N=64, N_TILES=32, BLOCK_R=64),
     # The other tuned decode tiles of Qwen3-30B-A3B tp 1 (512 pairs; "rank tiles of 16" is the gate-up expand's).
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
                                          num_warps=4),

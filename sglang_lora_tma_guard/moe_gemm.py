@@ -121,10 +121,7 @@ def _moe_gemm_kernel(
     b_cols = offs_n % N
     b_ptrs = b_ptr + expert * stride_be + b_cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
     if FP8:
-        if SCALE_BLOCK_N % BLOCK_N == 0:  # the tile lies in one scale block: one scale a K group
-            s_ptrs = b_scale_ptr + expert * stride_se + (pid_n * BLOCK_N // SCALE_BLOCK_N) * stride_sn
-        else:
-            s_ptrs = b_scale_ptr + expert * stride_se + (b_cols // SCALE_BLOCK_N) * stride_sn
+        s_ptrs = _scale_ptrs(b_scale_ptr, expert, pid_n, b_cols, stride_se, stride_sn, SCALE_BLOCK_N, BLOCK_N)
         as_ptrs = a_scale_ptr + a_rows * stride_asm
     if LORA and KEYED:
         # The block's one delta: its B tile and ranks loaded before the K loop, so that their latency hides
@@ -169,11 +166,7 @@ def _moe_gemm_kernel(
         if FP8:
             # One K tile is one quantization group of A and of B.
             a_scale = tl.load(as_ptrs + k_tile * stride_ask, mask=route_ok, other=0.0)
-            if SCALE_BLOCK_N % BLOCK_N == 0:
-                acc += tl.dot(a, b) * (a_scale * tl.load(s_ptrs + k_tile * stride_sk))[:, None]
-            else:
-                b_scale = tl.load(s_ptrs + k_tile * stride_sk)
-                acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+            acc = _scaled_dot(acc, a, b, a_scale, s_ptrs + k_tile * stride_sk, SCALE_BLOCK_N % BLOCK_N == 0)
         else:
             acc = tl.dot(a, b, acc=acc)
         a_ptrs += BLOCK_K * stride_ak
@@ -278,6 +271,8 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     b_cols = offs_n % N  # columns past N read a valid column's weights, never stored
+    if FP8:
+        s_ptrs = _scale_ptrs(b_scale_ptr, expert, tile, b_cols, stride_se, stride_sn, SCALE_BLOCK_N, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in tl.static_range(K_TILES):
         if EVEN_K:
@@ -295,14 +290,7 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
                 b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         if FP8:
             a_scale = tl.load(as_ptrs + kt * stride_ask, mask=route_ok, other=0.0)
-            if SCALE_BLOCK_N % BLOCK_N == 0:
-                b_scale = tl.load(b_scale_ptr + expert * stride_se + (tile * BLOCK_N // SCALE_BLOCK_N) * stride_sn
-                                  + kt * stride_sk)
-                acc += tl.dot(a, b) * (a_scale * b_scale)[:, None]
-            else:
-                b_scale = tl.load(b_scale_ptr + expert * stride_se + (b_cols // SCALE_BLOCK_N) * stride_sn
-                                  + kt * stride_sk)
-                acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+            acc = _scaled_dot(acc, a, b, a_scale, s_ptrs + kt * stride_sk, SCALE_BLOCK_N % BLOCK_N == 0)
         else:
             acc = tl.dot(a, b, acc=acc)
     if LORA:
@@ -339,6 +327,28 @@ def rank_granule(max_rank: int) -> int:
 @triton.jit
 def _lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le):
     return lora_b_ptr + tl.cast(adapter, tl.int64) * stride_ll + expert * stride_le
+
+
+@triton.jit
+def _scale_ptrs(b_scale_ptr, expert, tile, b_cols, stride_se, stride_sn, SCALE_BLOCK_N: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The weight scales of column tile ``tile`` in K group 0: one scale where the tile lies in one scale
+    block, else one per column."""
+    if SCALE_BLOCK_N % BLOCK_N == 0:  # one return for both: Triton types every return it compiles
+        ptrs = b_scale_ptr + expert * stride_se + (tile * BLOCK_N // SCALE_BLOCK_N) * stride_sn
+    else:
+        ptrs = b_scale_ptr + expert * stride_se + (b_cols // SCALE_BLOCK_N) * stride_sn
+    return ptrs
+
+
+@triton.jit
+def _scaled_dot(acc, a, b, a_scale, s_ptrs, ONE_SCALE: tl.constexpr):
+    """``acc`` plus one K group's fp8 ``a @ b``, scaled by A's row scales and B's scales (:func:`_scale_ptrs`)."""
+    if ONE_SCALE:
+        acc += tl.dot(a, b) * (a_scale * tl.load(s_ptrs))[:, None]
+    else:
+        acc += tl.dot(a, b) * a_scale[:, None] * tl.load(s_ptrs)[None, :]
+    return acc
 
 
 @triton.jit
@@ -537,7 +547,8 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
 
         b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, tile["BLOCK_N"], block_k])
     if n_tiles:
-        assert routes_per_a_row == 1 and bias is None and not key_groups, "the wide GEMM takes SGLang's down GEMMs"
+        assert routes_per_a_row == 1 and bias is None and not key_groups and (lora is None or lora.halves == 1), \
+            "the wide GEMM takes SGLang's down GEMMs"
         k_tiles = cdiv(k, block_k)
         assert k_tiles <= WIDE_K_TILES, f"K={k} is {k_tiles} tiles of {block_k}, the wide GEMM unrolls {WIDE_K_TILES}"
         wide = {name: value for name, value in tile.items() if name != "GROUP_M"}
