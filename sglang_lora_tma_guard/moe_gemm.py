@@ -123,6 +123,8 @@ def _moe_gemm_kernel(
     if FP8:
         s_ptrs = _scale_ptrs(b_scale_ptr, expert, pid_n, b_cols, stride_se, stride_sn, SCALE_BLOCK_N, BLOCK_N)
         as_ptrs = a_scale_ptr + a_rows * stride_asm
+    else:
+        s_ptrs, as_ptrs = b_ptrs, a_ptrs  # unread
     if LORA and KEYED:
         # The block's one delta: its B tile and ranks loaded before the K loop, so that their latency hides
         # behind it (a block without a delta masks every element: nothing is read).
@@ -152,23 +154,9 @@ def _moe_gemm_kernel(
                               stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=route_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < K - k_tile * BLOCK_K
-            a = tl.load(a_ptrs, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
-        if B_TMA:  # the descriptor fills what lies past N or K with zeros
-            b = b_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k_tile * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-        elif EVEN_K:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        if FP8:
-            # One K tile is one quantization group of A and of B.
-            a_scale = tl.load(as_ptrs + k_tile * stride_ask, mask=route_ok, other=0.0)
-            acc = _scaled_dot(acc, a, b, a_scale, s_ptrs + k_tile * stride_sk, SCALE_BLOCK_N % BLOCK_N == 0)
-        else:
-            acc = tl.dot(a, b, acc=acc)
+        acc = _k_step(acc, a_ptrs, b_ptrs, b_desc, as_ptrs + k_tile * stride_ask, s_ptrs + k_tile * stride_sk,
+                      route_ok, offs_k, expert, pid_n * BLOCK_N, k_tile * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA,
+                      EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -271,28 +259,16 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     b_cols = offs_n % N  # columns past N read a valid column's weights, never stored
+    b_ptrs = b_ptr + expert * stride_be + b_cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
     if FP8:
         s_ptrs = _scale_ptrs(b_scale_ptr, expert, tile, b_cols, stride_se, stride_sn, SCALE_BLOCK_N, BLOCK_N)
+    else:
+        s_ptrs = b_ptrs  # unread
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in tl.static_range(K_TILES):
-        if EVEN_K:
-            a = tl.load(a_ptrs + kt * BLOCK_K * stride_ak, mask=route_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < K - kt * BLOCK_K
-            a = tl.load(a_ptrs + kt * BLOCK_K * stride_ak, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
-        if B_TMA:
-            b = b_desc.load([expert.to(tl.int32), tile * BLOCK_N, kt * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-        else:
-            b_ptrs = b_ptr + expert * stride_be + b_cols[None, :] * stride_bn + (kt * BLOCK_K + offs_k)[:, None] * stride_bk
-            if EVEN_K:
-                b = tl.load(b_ptrs)
-            else:
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        if FP8:
-            a_scale = tl.load(as_ptrs + kt * stride_ask, mask=route_ok, other=0.0)
-            acc = _scaled_dot(acc, a, b, a_scale, s_ptrs + kt * stride_sk, SCALE_BLOCK_N % BLOCK_N == 0)
-        else:
-            acc = tl.dot(a, b, acc=acc)
+        acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
+                      as_ptrs + kt * stride_ask, s_ptrs + kt * stride_sk, route_ok, offs_k, expert, tile * BLOCK_N,
+                      kt * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0)
     if LORA:
         first_b = _lora_b_tile(lora_b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
                                stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
@@ -327,6 +303,31 @@ def rank_granule(max_rank: int) -> int:
 @triton.jit
 def _lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le):
     return lora_b_ptr + tl.cast(adapter, tl.int64) * stride_ll + expert * stride_le
+
+
+@triton.jit
+def _k_step(acc, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok, offs_k, expert, first_n, k0, K,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_TMA: tl.constexpr,
+            EVEN_K: tl.constexpr, ONE_SCALE: tl.constexpr):
+    """``acc`` plus the K tile from ``k0`` (one quantization group of A and of B with FP8): the block's A rows,
+    the weight tile (through ``b_desc`` with B_TMA, which fills what lies past N or K with zeros; else from
+    ``b_ptrs``, whose columns past N read a valid column), the pointers all at that tile."""
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=route_ok[:, None], other=0.0)
+    else:
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
+    if B_TMA:
+        b = b_desc.load([expert.to(tl.int32), first_n, k0]).reshape(BLOCK_N, BLOCK_K).T
+    elif EVEN_K:
+        b = tl.load(b_ptrs)
+    else:
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+    if FP8:
+        acc = _scaled_dot(acc, a, b, tl.load(as_ptrs, mask=route_ok, other=0.0), s_ptrs, ONE_SCALE)
+    else:
+        acc = tl.dot(a, b, acc=acc)
+    return acc
 
 
 @triton.jit
