@@ -16,10 +16,9 @@ among them and the base model), CUDA-graph replays, best of 5 x 50, interleaved.
 - ``hook``: the fast path's down hook (``lora_moe.add_delta``, tuned tiles) on SGLang's output;
   ``shrink``: the down shrink alone (what the fused GEMM needs before it);
 - ``wide + LoRA ...``: the wide kernel with the expand in its epilogue, over SGLang's route list;
-- ``own + LoRA, SGLang's blocks`` / ``..., segments`` / ``..., one-adapter blocks``: the GEMM with the
-  expand in its epilogue, over SGLang's route list (rows of any adapter in any order), over the same
-  blocks with each expert's rows ordered by adapter (one sort key more, no padding per adapter), over
-  ``lora_moe.route_all``'s blocks of one expert and one adapter.
+- ``own + LoRA, SGLang's blocks`` / ``..., segments``: the GEMM with the expand in its epilogue, over
+  SGLang's route list (rows of any adapter in any order), over the same blocks with each expert's rows
+  ordered by adapter (one sort key more, no padding per adapter).
 
 The sums at the end compare the two ways whole: SGLang + hook against quantize + shrink + the fused GEMM.
 Writes ``down_gemm.json`` / ``.md``.
@@ -89,18 +88,17 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     groups = torch.where(has, per_route_slot + 1, 0)
     lists = {block_m: problem.alignment}
     segments = segment_alignment(ids, groups, block_m, experts)
-    keyed = lora_moe.route_all(ids, slots, enabled, ranks, experts, db.shape[1], block_m)
     launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
     base_tile = moe_gemm.tile(cfg, block_m, FP8_BLOCK[1])
 
-    def own(epilogue=None, blocks=None, tma=use_tma, key_groups=0, n_tiles=0, **change):
+    def own(epilogue=None, blocks=None, tma=use_tma, n_tiles=0, **change):
         tile = {**base_tile, **change}
         sorted_ids, expert_ids, post = blocks or lists[tile["BLOCK_M"]]
         moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
                           bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                           num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
                           scale_block_n=FP8_BLOCK[0], topk=topk, lora=epilogue, weights_by_tma=tma,
-                          key_groups=key_groups, n_tiles=n_tiles)
+                          n_tiles=n_tiles)
 
     def sglang_quantize():
         from sglang.kernels.ops.moe import fused_moe_triton_kernels as kernels  # as its launcher imports it
@@ -126,8 +124,6 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
         "own + LoRA, SGLang's blocks, TMA off": lambda: own(lora, tma=False),
         **{f"wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, n_tiles=n, **c)) for n, c in WIDE},
         "own + LoRA, segments": lambda: own(lora, blocks=segments),
-        "own + LoRA, one-adapter blocks": lambda: own(lora, blocks=(keyed.sorted_ids, keyed.block_key, keyed.rows_used),
-                                                      key_groups=ranks.numel() + 1),
     }
     graphs = {}
     with capture_mode():

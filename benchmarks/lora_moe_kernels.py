@@ -17,8 +17,8 @@ Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 
 - each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
   gate-up shrink and expand, the down shrink and expand;
 - the fused down GEMM's parts: SGLang's down GEMM alone (its launcher, weights by TMA where the call asks),
-  this package's (``moe_gemm``) without and with the LoRA epilogue, and its fp8 quantization of the input
-  (block fp8 only).
+  this package's (``moe_gemm``) without and with the LoRA epilogue, one column tile a program and wide (as
+  ``fused_lora`` launches it, where K is short enough), and its fp8 quantization of the input (block fp8 only).
 
 The base experts are block fp8 (128 x 128 scales) or, with ``--base bf16``, bf16: the shapes whose widths
 are no multiple of 128 (Qwen3-30B-A3B at tp 4) run only so; the LoRA kernels and their floors are the same.
@@ -52,8 +52,8 @@ GRANULE = 64
 B as (rows, max_rank), rank innermost, so a rank-r row is a read of r * 2 bytes every max_rank * 2 bytes;
 rows of max_rank * 2 <= 64 bytes lie packed and are read whole."""
 KERNELS = ("route", "shrink_gu", "expand_gu", "shrink_dn", "expand_dn")
-DOWN_PARTS = ("down_sglang", "quant_own", "down_own_plain", "down_own", "down_own_lora", "route_all",
-              "down_keyed", "down_keyed_lora")
+DOWN_PARTS = ("down_sglang", "quant_own", "down_own_plain", "down_own", "down_own_lora", "down_wide",
+              "down_wide_lora")
 
 
 def traffic(info, ids, hidden_width: int, inter: int) -> dict:
@@ -101,16 +101,16 @@ def traffic(info, ids, hidden_width: int, inter: int) -> dict:
             "pairs_with_delta": pairs}
 
 
-def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: int, use_tma: bool,
-               block_m: int) -> dict:
-    """The down GEMM alone: SGLang's launcher, and this package's without and with the LoRA epilogue."""
+def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: int, use_tma: bool) -> dict:
+    """The down GEMM alone: SGLang's launcher, and this package's without and with the LoRA epilogue, one column
+    tile a program and (where K is short enough) wide, as ``fused_lora`` launches it."""
     import inspect
 
     import triton.language as tl
     from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
 
     from harness.tiny_moe import FP8_BLOCK
-    from sglang_lora_tma_guard import lora_moe, moe_gemm
+    from sglang_lora_tma_guard import fused_lora, moe_gemm
 
     launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
     sorted_ids, expert_ids, post = problem.alignment
@@ -125,21 +125,15 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
     lora = moe_gemm.LoRAEpilogue(t_dn, info.down_lora_b_weights, slots, enabled, ranks,
                                  info.down_lora_b_weights.shape[1], max_rank)
 
-    lora_experts = info.down_lora_b_weights.shape[1]
+    n_tiles, wide_change = next((n, change) for rank, n, change in fused_lora.WIDE_TILES if max_rank <= rank)
 
-    def route_all():
-        return lora_moe.route_all(ids, slots, enabled, ranks, problem.w2.shape[0], lora_experts, block_m)
-
-    keyed = route_all()
-
-    def own(epilogue, tma=use_tma, keys=None):
-        blocks = (keys.sorted_ids, keys.block_key, keys.rows_used) if keys else (sorted_ids, expert_ids, post)
+    def own(epilogue, tma=use_tma, wide=False):
+        tile = moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k)
         moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
-                          bias=None, topk_weights=w.view(-1), sorted_ids=blocks[0], expert_ids=blocks[1],
-                          num_post_padded=blocks[2], routes_per_a_row=1, mul_routed_weight=True,
-                          tile=moe_gemm.tile(cfg, keys.block_m if keys else cfg["BLOCK_SIZE_M"], group_k),
-                          scale_block_n=group_n, topk=ids.shape[1], lora=epilogue, weights_by_tma=tma,
-                          key_groups=ranks.numel() + 1 if keys else 0)
+                          bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
+                          num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True,
+                          tile={**tile, **wide_change} if wide else tile, scale_block_n=group_n, topk=ids.shape[1],
+                          lora=epilogue, weights_by_tma=tma, n_tiles=n_tiles if wide else 0)
 
     parts = {
         "down_sglang": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, sorted_ids,
@@ -150,10 +144,10 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
         "down_own_plain": lambda: own(None, tma=False),
         "down_own": lambda: own(None),
         "down_own_lora": lambda: own(lora),
-        "route_all": lambda: route_all().sorted_ids,
-        "down_keyed": lambda: own(None, keys=keyed),
-        "down_keyed_lora": lambda: own(lora, keys=keyed),
     }
+    if -(-act.shape[1] // moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k)["BLOCK_K"]) <= moe_gemm.WIDE_K_TILES:
+        parts["down_wide"] = lambda: own(None, wide=True)
+        parts["down_wide_lora"] = lambda: own(lora, wide=True)
     if fp8:
         parts["quant_own"] = lambda: quantize()[0]
     return parts
@@ -194,7 +188,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
                                              config=tiles.down),
     }
 
-    kernels.update(down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, r, use_tma, tiles.block_m))
+    kernels.update(down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, r, use_tma))
 
     builders = {"nohook": lambda h: None, "default": lambda h: original(h, info, ids),  # h: the runner's input
                 "fast": lambda h: lora_path.build_hooks(original, h, info, ids),
@@ -264,13 +258,11 @@ def markdown(rows, meta) -> str:
         "",
         "The fused down GEMM's parts (ms): SGLang's down GEMM; this package's fp8 quantization of its input, its "
         "down GEMM without LoRA (weights by plain loads; by TMA as SGLang takes them) and with the LoRA epilogue, "
-        "over SGLang's route list; then over blocks of one expert and one adapter (lora_moe.route_all, the "
-        "routing's block size): the routing, the GEMM without and with the epilogue.",
+        "over SGLang's route list; then the wide GEMM (several column tiles a program, the tile fused_lora "
+        "launches) without and with the epilogue, where K is short enough.",
         "",
         tables.markdown(["shape", "ranks", "tokens", "SGLang down", "quantize", "own down, no TMA", "own down",
-                         "own down + LoRA", "route (expert, adapter)", "own down, blocks of one adapter",
-                         "... + LoRA",
-                         "fast: expand down"],
+                         "own down + LoRA", "wide down", "wide down + LoRA", "fast: expand down"],
                         ([r["shape"], r["ranks"], r["tokens"], *(ms(r[f"ms_{p}"]) for p in DOWN_PARTS),
                           ms(r["ms_expand_dn"])] for r in rows)),
     ]) + "\n"

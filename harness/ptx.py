@@ -104,13 +104,13 @@ def hook(**meta) -> dict:
 
 
 def fused_down(**meta) -> dict:
-    """This package's down GEMM with the LoRA expand in its epilogue (``fused_lora``), bf16 weights by plain
-    loads, blocks of one expert and one adapter (``KEYED``) unless ``meta`` says otherwise."""
+    """This package's down GEMM with the LoRA expand in its epilogue over SGLang's route list, one column tile
+    a program (``moe_gemm`` without ``n_tiles``), bf16 weights by plain loads unless ``meta`` says otherwise."""
     from sglang_lora_tma_guard import moe_gemm
 
     constexprs = dict(ROUTES_PER_A_ROW=1, TOPK=8, SCALE_BLOCK_N=128, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64,
                       BLOCK_R=64, GROUP_M=1, FP8=False, HAS_BIAS=False, MUL_ROUTED_WEIGHT=True, LORA=True,
-                      B_TMA=False, KEYED=True, RANK_GRANULE=8, EVEN_K=True, b_desc=None)
+                      B_TMA=False, RANK_GRANULE=8, EVEN_K=True, b_desc=None)
     constexprs.update(meta)
     int32 = ("sorted_ids_ptr", "expert_ids_ptr", "num_post_padded_ptr", "token_lora_ptr", "enabled_ptr", "ranks_ptr")
     return compiled(moe_gemm._moe_gemm_kernel,
@@ -144,9 +144,8 @@ CONFIGURATIONS = {
                                                                  RANK_GRANULE=1, num_warps=4),
     "shrink": lambda: shrink(),
     "one kernel a hook": lambda: hook(),
-    "fused down GEMM, blocks of one adapter": lambda: fused_down(),
-    "fused down GEMM, SGLang's blocks": lambda: fused_down(KEYED=False),
-    "fused down GEMM, blocks of one adapter, exact rank masks": lambda: fused_down(RANK_GRANULE=1),
+    "fused down GEMM": lambda: fused_down(),
+    "fused down GEMM, exact rank masks": lambda: fused_down(RANK_GRANULE=1),
     "wide fused down GEMM, rank 16": lambda: wide_down(),
     "wide fused down GEMM, rank 64": lambda: wide_down(BLOCK_N=64, N_TILES=32, BLOCK_R=64),
     # The other tuned decode tiles of Qwen3-30B-A3B tp 1 (512 pairs; "rank tiles of 16" is the gate-up expand's).

@@ -326,50 +326,6 @@ def _route(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts: int, 
     return b.routing(block_m, num_pairs, num_experts)
 
 
-@triton.jit
-def _count_all_kernel(
-    # Pointers: as _count_kernel's.
-    topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, counts_ptr, keys_ptr, slots_ptr,
-    # Sizes: the experts of the MoE layer and those the LoRA buffers hold (a prefix of them).
-    num_pairs, num_loras, num_experts, lora_experts,
-    # Meta-parameters.
-    TOPK: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Every pair's key for a base GEMM that adds each block's one delta: ``expert * (loras + 1) +
-    adapter + 1`` (``adapter + 1`` is 0 for a pair without a delta), expert-major, so the blocks of one
-    expert are neighbours; routes filtered out (-1) share the last key, ``num_experts * (loras + 1)``."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offs < num_pairs
-    expert, adapter, _, wanted = _pairs(offs, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
-                                        num_loras, lora_experts, TOPK)
-    routed = (expert >= 0) & (expert < num_experts)
-    key = tl.where(routed, expert * (num_loras + 1) + tl.where(wanted, adapter + 1, 0), num_experts * (num_loras + 1))
-    slot = tl.atomic_add(counts_ptr + key, 1, mask=in_range)
-    tl.store(keys_ptr + offs, key, mask=in_range)
-    tl.store(slots_ptr + offs, slot, mask=in_range)
-
-
-def route_all(topk_ids: torch.Tensor, token_lora: torch.Tensor, adapter_enabled: torch.Tensor,
-              lora_ranks: torch.Tensor, num_experts: int, lora_experts: int, block_m: int) -> Routing:
-    """Every pair of the batch grouped by (expert, adapter) for a base GEMM with the delta in its
-    epilogue (:func:`~sglang_lora_tma_guard.moe_gemm.moe_gemm` with ``key_groups``): each block holds
-    one expert's pairs of one adapter, or of none (group 0: tokens of the base model, disabled slots,
-    slots of rank 0, experts the LoRA buffers do not hold), or the routes filtered out (the last key).
-    ``num_experts``: the MoE layer's; ``Routing.num_experts`` is then ``loras + 1``, the groups per expert."""
-    tokens, topk = topk_ids.shape
-    for name, t in (("token_lora", token_lora), ("adapter_enabled", adapter_enabled), ("lora_ranks", lora_ranks)):
-        assert t.dtype == torch.int32 and t.is_contiguous() and t.device == topk_ids.device, (name, t.dtype, t.device)
-    num_pairs, num_loras = tokens * topk, lora_ranks.numel()
-    assert num_experts * (num_loras + 1) + 1 <= MAX_KEYS, (num_experts, num_loras)
-    b = _Scratch.of(num_pairs, num_experts * (num_loras + 1) + 1, block_m, topk_ids.device)
-    b.counts.zero_()
-    launcher(_count_all_kernel)[(max(1, cdiv(num_pairs, ROUTE_BLOCK)),)](
-        topk_ids.contiguous(), token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots, num_pairs,
-        num_loras, num_experts, lora_experts, TOPK=topk, BLOCK=ROUTE_BLOCK)
-    b.place(num_pairs, block_m)
-    return b.routing(block_m, num_pairs, num_loras + 1)
-
-
 # --------------------------------------------------------------------------------------------------
 # The two grouped GEMMs of one hook.
 

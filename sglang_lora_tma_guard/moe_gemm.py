@@ -62,8 +62,8 @@ def _moe_gemm_kernel(
     t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
     # Sizes: N, K of the weights; R routes; S entries of the padded route list; with LORA the slots,
     # the experts the LoRA buffers hold, the columns of one half (N, or N / 2 for a gated gate-up) and
-    # the rank stride between halves in T; the experts of B, and with KEYED the groups per expert of a key.
-    N, K, num_routes, num_sorted, num_slots, lora_experts, half_width, max_rank, num_experts, key_groups,
+    # the rank stride between halves in T.
+    N, K, num_routes, num_sorted, num_slots, lora_experts, half_width, max_rank,
     # Strides, in elements.
     stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_bias_e, stride_bias_n, stride_se, stride_sn, stride_sk,
@@ -76,7 +76,6 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr,
     B_TMA: tl.constexpr,
-    KEYED: tl.constexpr,  # the route list is lora_moe.route_all's: EXPERT_IDS holds each block's key
     RANK_GRANULE: tl.constexpr,  # with LORA: ranks loaded in aligned runs of this many (see _granule)
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: the K loop's loads need no K mask
 ):
@@ -103,12 +102,7 @@ def _moe_gemm_kernel(
     route_ok = routes < num_routes
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    if KEYED:  # key = expert * key_groups + adapter + 1; the last key (expert = num_experts): filtered out
-        key = tl.load(expert_ids_ptr + pid_m)
-        adapter = key % key_groups - 1
-        expert = tl.where(key // key_groups < num_experts, key // key_groups, -1).to(tl.int64)
-    else:
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert == -1:
         tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn,
                  tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=route_ok[:, None] & n_ok[None, :])
@@ -125,22 +119,7 @@ def _moe_gemm_kernel(
         as_ptrs = a_scale_ptr + a_rows * stride_asm
     else:
         s_ptrs, as_ptrs = b_ptrs, a_ptrs  # unread
-    if LORA and KEYED:
-        # The block's one delta: its B tile and ranks loaded before the K loop, so that their latency hides
-        # behind it (a block without a delta masks every element: nothing is read).
-        rank = tl.where(adapter >= 0, tl.load(ranks_ptr + tl.maximum(adapter, 0)), 0)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < rank
-        r_load = offs_r < _granule(rank, RANK_GRANULE)
-        half = (pid_n * BLOCK_N) // half_width
-        lora_b = tl.load(_lora_b_base(lora_b_ptr, tl.maximum(adapter, 0), expert, stride_ll, stride_le)
-                         + offs_n[None, :] * stride_ln + offs_r[:, None] * stride_lr,
-                         mask=r_load[:, None] & n_ok[None, :], other=0.0)
-        lora_b = tl.where(r_ok[:, None], lora_b, 0.0)
-        ranks_t = tl.load(t_ptr + routes[:, None] * stride_tm + (half * max_rank + offs_r)[None, :],
-                          mask=route_ok[:, None] & r_load[None, :], other=0.0)
-        ranks_t = tl.where(r_ok[None, :], ranks_t, 0.0).to(lora_b.dtype)
-    elif LORA:
+    if LORA:
         # Rows of any adapters. Every load of the epilogue is issued here, so that the K loop hides its chain
         # of round trips (slot, rank, then ranks and B tiles); the B tiles of the block's lowest and highest
         # adapter among its rows: all of them where each expert's rows come ordered by adapter, two at most
@@ -160,10 +139,7 @@ def _moe_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if LORA and KEYED:
-        if adapter >= 0:
-            acc += tl.dot(ranks_t, lora_b)
-    elif LORA:
+    if LORA:
         acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
                         ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     if HAS_BIAS:
@@ -179,7 +155,7 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _moe_gemm_wide_kernel(
-    # As _moe_gemm_kernel's, less the bias and the keyed route list; one A row per route.
+    # As _moe_gemm_kernel's, less the bias; one A row per route.
     a_ptr, a_scale_ptr, b_ptr, c_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
     b_desc,
@@ -496,7 +472,7 @@ class LoRAEpilogue:
 def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, expert_ids,
              num_post_padded, routes_per_a_row: int, mul_routed_weight: bool, tile: dict,
              scale_block_n: int = 1, topk: int | None = None, lora: LoRAEpilogue | None = None,
-             weights_by_tma: bool = False, key_groups: int = 0, n_tiles: int = 0) -> None:
+             weights_by_tma: bool = False, n_tiles: int = 0) -> None:
     """One expert GEMM over SGLang's sorted route list, written route-major into ``out`` (R, N).
 
     ``a`` is fp8 with per-row, per-K-group ``a_scale`` when ``w_scale`` is given (block fp8); then
@@ -504,9 +480,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     swizzle of output tiles, unrelated). ``lora``: each route's LoRA expand added in the epilogue
     (``topk``: routes per token, to find a route's adapter; with two halves ``tile["BLOCK_N"]`` must
     divide a half). ``weights_by_tma``: the weight tiles loaded through a tensor descriptor (Hopper).
-    ``key_groups``: the route list is :func:`~sglang_lora_tma_guard.lora_moe.route_all`'s (its sorted ids,
-    block keys and rows used in place of SGLang's three), ``key_groups`` its groups per expert (slots + 1):
-    every block has one adapter, or none, and its epilogue adds one delta. ``n_tiles``: each program computes
+    ``n_tiles``: each program computes
     that many column tiles (:func:`_moe_gemm_wide_kernel`: one A row per route, no bias, SGLang's route list,
     K of at most ``WIDE_K_TILES`` tiles); ``tile["GROUP_M"]`` is then unused.
     """
@@ -537,7 +511,6 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         assert lora.halves == 1 or half_width % tile["BLOCK_N"] == 0, "a column tile must lie in one half"
         lb, lora_args = lora.lora_b, (lora.t, lora.lora_b, lora.token_lora, lora.enabled, lora.ranks)
         lora_sizes = (lora.ranks.numel(), lora.experts, half_width, lora.max_rank)
-        assert not key_groups or key_groups == lora.ranks.numel() + 1, (key_groups, lora.ranks.numel())
         lora_strides = (lora.t.stride(0), lb.stride(0), 0 if lb.shape[1] == 1 else lb.stride(1), lb.stride(2),
                         lb.stride(3))
     else:
@@ -548,7 +521,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
 
         b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, tile["BLOCK_N"], block_k])
     if n_tiles:
-        assert routes_per_a_row == 1 and bias is None and not key_groups and (lora is None or lora.halves == 1), \
+        assert routes_per_a_row == 1 and bias is None and (lora is None or lora.halves == 1), \
             "the wide GEMM takes SGLang's down GEMMs"
         k_tiles = cdiv(k, block_k)
         assert k_tiles <= WIDE_K_TILES, f"K={k} is {k_tiles} tiles of {block_k}, the wide GEMM unrolls {WIDE_K_TILES}"
@@ -572,7 +545,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     _moe_gemm_kernel[grid](
         a, a_scale if fp8 else a, w, out, bias if bias is not None else w, w_scale if fp8 else w,
         topk_weights, sorted_ids, expert_ids, num_post_padded, b_desc, *lora_args,
-        n, k, out.shape[0], sorted_ids.shape[0], *lora_sizes, experts, max(key_groups, 1),
+        n, k, out.shape[0], sorted_ids.shape[0], *lora_sizes,
         a.stride(0), a.stride(1), a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
@@ -581,7 +554,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         ROUTES_PER_A_ROW=routes_per_a_row, TOPK=topk or 1, SCALE_BLOCK_N=scale_block_n,
         BLOCK_R=lora.block_r() if lora is not None else 16,
         FP8=fp8, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
-        B_TMA=b_desc is not None, KEYED=key_groups > 0,
+        B_TMA=b_desc is not None,
         RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1, EVEN_K=k % block_k == 0, **tile,
     )
 

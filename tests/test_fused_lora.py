@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_lora_tma_guard import lora_moe, moe_gemm
+from sglang_lora_tma_guard import moe_gemm
 from sglang_lora_tma_guard.tiny_moe import align_block_size, quantize_block_fp8
 
 pytestmark = pytest.mark.real
@@ -76,45 +76,36 @@ def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
     return out
 
 
-def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, keyed=False):
-    lora, groups, n_tiles = inputs["lora"], 0, 0
-    if keyed == "wide":  # SGLang's route list, three column tiles a program (the wide kernel)
-        keyed, n_tiles = False, 3
-    if keyed:  # blocks of one expert and one adapter (lora_moe.route_all)
-        routing = lora_moe.route_all(inputs["topk_ids"], lora.token_lora, lora.enabled, lora.ranks, EXPERTS,
-                                     LORA_EXPERTS, block_m)
-        sorted_ids, expert_ids, post_padded = routing.sorted_ids, routing.block_key, routing.rows_used
-        groups = len(RANKS) + 1
-    else:  # SGLang's route list
-        sorted_ids, expert_ids, post_padded = align_block_size(inputs["topk_ids"], block_m, EXPERTS)
+def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, n_tiles: int = 0):
+    """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``."""
+    sorted_ids, expert_ids, post_padded = align_block_size(inputs["topk_ids"], block_m, EXPERTS)
     out = torch.full((TOKENS * TOPK, n), float("nan"), dtype=torch.float16)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if fp8 else block_k, GROUP_M=2, num_warps=4,
                 num_stages=2)
     moe_gemm.moe_gemm(inputs["a"], inputs["w"], out, a_scale=inputs["a_scale"], w_scale=inputs["w_scale"], bias=None,
                       topk_weights=inputs["weights"].reshape(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                       num_post_padded=post_padded, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
-                      scale_block_n=128 if fp8 else 1, topk=TOPK, lora=lora, weights_by_tma=tma, key_groups=groups,
+                      scale_block_n=128 if fp8 else 1, topk=TOPK, lora=inputs["lora"], weights_by_tma=tma,
                       n_tiles=n_tiles)
     return out
 
 
-@pytest.mark.parametrize("keyed", [True, False, "wide"],
-                         ids=["blocks-of-one-adapter", "sglangs-route-list", "sglangs-route-list-wide"])
+@pytest.mark.parametrize("n_tiles", [0, 3], ids=["one-tile-a-program", "wide"])
 @pytest.mark.parametrize("fp8, shared_outer, tma, n, k, block_m, block_n, block_k", [
-    # All out of the default run: the fused down launch is not placed by =fast (measured slower).
+    # Out of the default run (the interpreter's minutes); there the fused launch is proven through SGLang's
+    # runner (tests/test_fast_lora.py::test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster).
     pytest.param(False, False, False, 200, 72, 16, 32, 32, marks=pytest.mark.slow),
     pytest.param(True, False, False, 72, 200, 16, 32, 128, marks=pytest.mark.slow),
     pytest.param(True, False, True, 72, 208, 16, 32, 128, marks=pytest.mark.slow),  # TMA: rows of 16-byte multiples
     pytest.param(False, True, False, 200, 72, 32, 64, 64, marks=pytest.mark.slow),
 ], ids=["fp16", "block-fp8", "block-fp8-weights-by-tma", "shared-outer-block-32"])
 def test_the_epilogue_adds_each_routes_own_adapter_delta(fp8, shared_outer, tma, n, k, block_m, block_n, block_k,
-                                                         keyed):
+                                                         n_tiles):
     inputs, expected = make(n, k, fp8, shared_outer)
-    out = run(inputs, n, block_m, block_n, block_k, fp8, tma, keyed).float()
+    out = run(inputs, n, block_m, block_n, block_k, fp8, tma, n_tiles).float()
     assert not out.isnan().any()
     err = float((out - expected).abs().max() / expected.abs().max())
     assert err < TOLERANCE, err
     # The deltas are not small beside the base rows: a dropped or doubled one would fail the bound.
-    base_only = run({**inputs, "lora": None}, n, block_m, block_n, block_k, fp8, tma,
-                    "wide" if keyed == "wide" else False).float()
+    base_only = run({**inputs, "lora": None}, n, block_m, block_n, block_k, fp8, tma, n_tiles).float()
     assert float((base_only - expected).abs().max() / expected.abs().max()) > 50 * TOLERANCE
