@@ -125,15 +125,15 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
     lora = moe_gemm.LoRAEpilogue(t_dn, info.down_lora_b_weights, slots, enabled, ranks,
                                  info.down_lora_b_weights.shape[1], max_rank)
 
-    n_tiles, wide_change = next((n, change) for rank, n, change in fused_lora.WIDE_TILES if max_rank <= rank)
+    wide_tile, n_tiles = fused_lora.wide_tile(cfg, group_k, act.shape[1], max_rank)
 
     def own(epilogue, tma=use_tma, wide=False):
-        tile = moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k)
         moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
                           bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                           num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True,
-                          tile={**tile, **wide_change} if wide else tile, scale_block_n=group_n, topk=ids.shape[1],
-                          lora=epilogue, weights_by_tma=tma, n_tiles=n_tiles if wide else 0)
+                          tile=wide_tile if wide else moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k),
+                          scale_block_n=group_n, topk=ids.shape[1], lora=epilogue, weights_by_tma=tma,
+                          n_tiles=n_tiles if wide else 0)
 
     parts = {
         "down_sglang": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, sorted_ids,
@@ -145,7 +145,7 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
         "down_own": lambda: own(None),
         "down_own_lora": lambda: own(lora),
     }
-    if -(-act.shape[1] // moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k)["BLOCK_K"]) <= moe_gemm.WIDE_K_TILES:
+    if n_tiles:
         parts["down_wide"] = lambda: own(None, wide=True)
         parts["down_wide_lora"] = lambda: own(lora, wide=True)
     if fp8:

@@ -127,7 +127,7 @@ class DownWork:
         (:func:`~sglang_lora_tma_guard.moe_gemm.moe_gemm`'s ``n_tiles``: the block's rows, scales and ranks
         read once for all its tiles)."""
         from . import lora_moe
-        from .moe_gemm import WIDE_K_TILES, LoRAEpilogue, moe_gemm, quantize_per_group, tile
+        from .moe_gemm import LoRAEpilogue, moe_gemm, quantize_per_group
 
         A, B, C = a["A"], a["B"], a["C"]
         tokens, topk = self.topk_ids.shape
@@ -136,11 +136,7 @@ class DownWork:
         fp8 = bool(a["use_fp8_w8a8"])
         group_n, group_k = a["block_shape"] if fp8 else (1, None)
         x, x_scale = quantize_per_group(A, group_k) if fp8 else (A, None)
-        gemm_tile = tile(a["config"], a["config"]["BLOCK_SIZE_M"], group_k)
-        n_tiles = 0
-        if -(-A.shape[1] // gemm_tile["BLOCK_K"]) <= WIDE_K_TILES:
-            n_tiles, change = next((n, change) for rank, n, change in WIDE_TILES if self.max_rank <= rank)
-            gemm_tile.update(change)
+        gemm_tile, n_tiles = wide_tile(a["config"], group_k, A.shape[1], self.max_rank)
         moe_gemm(x, B, C.view(tokens * topk, C.shape[2]), a_scale=x_scale, w_scale=a["B_scale"] if fp8 else None,
                  bias=None, topk_weights=a["topk_weights"].view(-1), sorted_ids=a["sorted_token_ids"],
                  expert_ids=a["expert_ids"], num_post_padded=a["num_tokens_post_padded"], routes_per_a_row=1,
@@ -150,6 +146,18 @@ class DownWork:
                  weights_by_tma=bool(a.get("b_use_tma")),  # where SGLang would take them by TMA itself
                  n_tiles=n_tiles)
         self.done = C
+
+
+def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int) -> tuple[dict, int]:
+    """The down GEMM's tile from SGLang's ``config`` and its column tiles a program: :data:`WIDE_TILES`' for
+    ``max_rank`` where the wide kernel takes K (``k`` in at most ``WIDE_K_TILES`` tiles), else SGLang's and 0."""
+    from .moe_gemm import WIDE_K_TILES, tile
+
+    gemm_tile = tile(config, config["BLOCK_SIZE_M"], group_k)
+    if -(-k // gemm_tile["BLOCK_K"]) > WIDE_K_TILES:
+        return gemm_tile, 0
+    n_tiles, change = next((n, change) for rank, n, change in WIDE_TILES if max_rank <= rank)
+    return {**gemm_tile, **change}, n_tiles
 
 
 def offer(work: DownWork) -> None:

@@ -127,10 +127,8 @@ def _moe_gemm_kernel(
         slot, wanted, ranks_t, first, first_rank, last, last_rank = _lora_rows(
             routes, route_ok, expert, pid_n * BLOCK_N, t_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_slots,
             lora_experts, half_width, max_rank, stride_tm, TOPK, BLOCK_R, RANK_GRANULE, lora_b_ptr.dtype.element_ty)
-        first_b = _lora_b_tile(lora_b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
-                               stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
-        last_b = _lora_b_tile(lora_b_ptr, tl.where(last_rank > 0, last, 0), last_rank, expert, offs_n, n_ok,
-                              stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+        first_b, last_b = _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok,
+                                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
         acc = _k_step(acc, a_ptrs, b_ptrs, b_desc, as_ptrs + k_tile * stride_ask, s_ptrs + k_tile * stride_sk,
@@ -246,10 +244,8 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
                       as_ptrs + kt * stride_ask, s_ptrs + kt * stride_sk, route_ok, offs_k, expert, tile * BLOCK_N,
                       kt * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0)
     if LORA:
-        first_b = _lora_b_tile(lora_b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
-                               stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
-        last_b = _lora_b_tile(lora_b_ptr, tl.where(last_rank > 0, last, 0), last_rank, expert, offs_n, n_ok,
-                              stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+        first_b, last_b = _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok,
+                                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
         acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
                         ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     if MUL_ROUTED_WEIGHT:
@@ -338,6 +334,17 @@ def _lora_b_tile(lora_b_ptr, adapter, rank, expert, offs_n, n_ok, stride_ll, str
                 + offs_r[:, None] * stride_lr,
                 mask=(offs_r[:, None] < _granule(rank, RANK_GRANULE)) & n_ok[None, :], other=0.0)
     return tl.where(offs_r[:, None] < rank, b, 0.0)
+
+
+@triton.jit
+def _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok, stride_ll, stride_le,
+                    stride_ln, stride_lr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
+    """The B tiles of a block's lowest and highest adapter (:func:`_lora_slots`); one of rank 0 reads nothing."""
+    first_b = _lora_b_tile(lora_b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
+                           stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+    last_b = _lora_b_tile(lora_b_ptr, tl.where(last_rank > 0, last, 0), last_rank, expert, offs_n, n_ok,
+                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+    return first_b, last_b
 
 
 @triton.jit
