@@ -15,10 +15,13 @@ among them and the base model), CUDA-graph replays, best of 5 x 50, interleaved.
 - ``wide ...``: ``moe_gemm`` with ``n_tiles`` (the wide kernel: one block against several column tiles);
 - ``hook``: the fast path's down hook (``lora_moe.add_delta``, tuned tiles) on SGLang's output;
   ``shrink``: the down shrink alone (what the fused GEMM needs before it);
-- ``wide + LoRA ...``: the wide kernel with the expand in its epilogue, over SGLang's route list;
+- ``wide + LoRA ...``: the wide kernel with the expand in its epilogue, over SGLang's route list (``by
+  rank N``: each adapter's expand at its own rank, N ranks a step; else a tile of the max rank);
 - ``own + LoRA, SGLang's blocks`` / ``..., segments``: the GEMM with the expand in its epilogue, over
   SGLang's route list (rows of any adapter in any order), over the same blocks with each expert's rows
-  ordered by adapter (one sort key more, no padding per adapter).
+  ordered by adapter (one sort key more, no padding per adapter);
+- ``... shuffled``: over the route list with each expert's routes in random order (the benchmark's own list
+  keeps them in token order, so each block holds runs of one adapter; a list made by atomics need not).
 
 The sums at the end compare the two ways whole: SGLang + hook against quantize + shrink + the fused GEMM.
 Writes ``down_gemm.json`` / ``.md``.
@@ -38,6 +41,11 @@ TOKENS = [1024, 4096, 8192]
 WIDE = [(16, {}), (16, {"num_stages": 2}), (8, {"num_stages": 2}), (32, {"BLOCK_N": 64, "num_stages": 2}),
         (32, {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8}), (16, {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8})]
 """The wide GEMM's variants: column tiles a program, and changes to SGLang's tile."""
+BY_RANK = [(16, {"num_stages": 2}, 16), (8, {"num_stages": 2}, 16), (16, {}, 16), (16, {"num_stages": 2}, 32),
+           (32, {"BLOCK_N": 64, "num_stages": 2}, 16)]
+"""The wide GEMM with each adapter's expand at its own rank: column tiles, tile changes, ranks a step."""
+SHUFFLED = [(16, {"num_stages": 2}, 0), (32, {"BLOCK_N": 64, "num_stages": 2}, 0), (16, {"num_stages": 2}, 16)]
+"""The variants also timed over the route list with each expert's routes in random order."""
 
 
 def label(n_tiles: int, change: dict) -> str:
@@ -57,6 +65,20 @@ def segment_alignment(topk_ids: torch.Tensor, groups: torch.Tensor, block_m: int
     mapped = torch.where(sorted_ids < flat.numel(), order.to(torch.int32)[sorted_ids.clamp(max=flat.numel() - 1).long()],
                          sorted_ids)
     return mapped.to(torch.int32), expert_ids, post
+
+
+def shuffled_alignment(alignment, block_m: int, seed: int = 0):
+    """SGLang's route list with each expert's routes (and its padding) in random order, as a route list made
+    by atomics may hold them (``tiny_moe.align_block_size`` keeps each expert's routes in token order, so that
+    the batch's adapters, which own runs of tokens, lie in runs). The blocks and their experts are kept."""
+    sorted_ids, expert_ids, post = alignment
+    used = int(post.item())
+    experts = expert_ids.long().repeat_interleave(block_m)[:used]
+    noise = torch.rand(used, generator=torch.Generator(device="cpu").manual_seed(seed)).to(sorted_ids.device)
+    order = torch.argsort(experts.double() + noise.double() * 0.5, stable=True)  # blocks stay expert-sorted
+    shuffled = sorted_ids.clone()
+    shuffled[:used] = sorted_ids[:used][order]
+    return shuffled, expert_ids, post
 
 
 def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
@@ -91,14 +113,16 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
     base_tile = moe_gemm.tile(cfg, block_m, FP8_BLOCK[1])
 
-    def own(epilogue=None, blocks=None, tma=use_tma, n_tiles=0, **change):
+    shuffled = shuffled_alignment(problem.alignment, block_m)
+
+    def own(epilogue=None, blocks=None, tma=use_tma, n_tiles=0, rank_step=0, **change):
         tile = {**base_tile, **change}
         sorted_ids, expert_ids, post = blocks or lists[tile["BLOCK_M"]]
         moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
                           bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                           num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
                           scale_block_n=FP8_BLOCK[0], topk=topk, lora=epilogue, weights_by_tma=tma,
-                          n_tiles=n_tiles)
+                          n_tiles=n_tiles, rank_step=rank_step)
 
     def sglang_quantize():
         from sglang.kernels.ops.moe import fused_moe_triton_kernels as kernels  # as its launcher imports it
@@ -123,7 +147,16 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
         "own + LoRA, SGLang's blocks, GROUP_M=8": lambda: own(lora, GROUP_M=8),
         "own + LoRA, SGLang's blocks, TMA off": lambda: own(lora, tma=False),
         **{f"wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, n_tiles=n, **c)) for n, c in WIDE},
+        **{f"wide + LoRA, {label(n, c)}, by rank {step}": (lambda n=n, c=c, step=step: own(
+            lora, n_tiles=n, rank_step=step, **c)) for n, c, step in BY_RANK},
         "own + LoRA, segments": lambda: own(lora, blocks=segments),
+        "sglang, shuffled": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, shuffled[0],
+                                           expert_ids, post, True, 1, cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True,
+                                           use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                                           per_channel_quant=False, block_shape=list(FP8_BLOCK), b_use_tma=use_tma),
+        **{f"shuffled: wide + LoRA, {label(n, c)}{f', by rank {step}' if step else ''}": (
+            lambda n=n, c=c, step=step: own(lora, blocks=shuffled, n_tiles=n, rank_step=step, **c))
+           for n, c, step in SHUFFLED},
     }
     graphs = {}
     with capture_mode():
