@@ -15,13 +15,15 @@ among them and the base model), CUDA-graph replays, best of 5 x 50, interleaved.
 - ``wide ...``: ``moe_gemm`` with ``n_tiles`` (the wide kernel: one block against several column tiles);
 - ``hook``: the fast path's down hook (``lora_moe.add_delta``, tuned tiles) on SGLang's output;
   ``shrink``: the down shrink alone (what the fused GEMM needs before it);
-- ``wide + LoRA ...``: the wide kernel with the expand in its epilogue, over SGLang's route list (``by
-  rank N``: each adapter's expand at its own rank, N ranks a step; else a tile of the max rank);
+- ``wide + LoRA ...``: the wide kernel with the expand in its epilogue, over SGLang's route list;
 - ``own + LoRA, SGLang's blocks`` / ``..., segments``: the GEMM with the expand in its epilogue, over
   SGLang's route list (rows of any adapter in any order), over the same blocks with each expert's rows
   ordered by adapter (one sort key more, no padding per adapter);
 - ``... shuffled``: over the route list with each expert's routes in random order (the benchmark's own list
-  keeps them in token order, so each block holds runs of one adapter; a list made by atomics need not).
+  keeps them in token order, so each block holds runs of one adapter; a list made by atomics need not);
+  ``SGLang's list``: over the list of SGLang's own ``moe_align_block_size`` (its GPU kernel), and ``... ordered``
+  over that list with each expert's routes ordered by adapter (``moe_gemm.order_by_adapter``, timed alone as
+  ``order by adapter``).
 
 The sums at the end compare the two ways whole: SGLang + hook against quantize + shrink + the fused GEMM.
 Writes ``down_gemm.json`` / ``.md``.
@@ -41,10 +43,7 @@ TOKENS = [1024, 4096, 8192]
 WIDE = [(16, {}), (16, {"num_stages": 2}), (8, {"num_stages": 2}), (32, {"BLOCK_N": 64, "num_stages": 2}),
         (32, {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8}), (16, {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8})]
 """The wide GEMM's variants: column tiles a program, and changes to SGLang's tile."""
-BY_RANK = [(16, {"num_stages": 2}, 16), (8, {"num_stages": 2}, 16), (16, {}, 16), (16, {"num_stages": 2}, 32),
-           (32, {"BLOCK_N": 64, "num_stages": 2}, 16)]
-"""The wide GEMM with each adapter's expand at its own rank: column tiles, tile changes, ranks a step."""
-SHUFFLED = [(16, {"num_stages": 2}, 0), (32, {"BLOCK_N": 64, "num_stages": 2}, 0), (16, {"num_stages": 2}, 16)]
+SHUFFLED = [(16, {"num_stages": 2}), (32, {"BLOCK_N": 64, "num_stages": 2})]
 """The variants also timed over the route list with each expert's routes in random order."""
 
 
@@ -81,6 +80,27 @@ def shuffled_alignment(alignment, block_m: int, seed: int = 0):
     return shuffled, expert_ids, post
 
 
+def sglang_alignment(topk_ids, block_m: int, num_experts: int):
+    """The route list of SGLang's own ``moe_align_block_size`` (its GPU kernel: each expert's routes in the
+    order its atomics took them)."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size import moe_align_block_size
+
+    sorted_ids, expert_ids, post = moe_align_block_size(topk_ids, block_m, num_experts)
+    return sorted_ids, expert_ids, post
+
+
+def adapters_per_block(alignment, slots, topk: int, block_m: int) -> float:
+    """Distinct adapter slots (tokens of the base model left out) a used block's routes hold, on average."""
+    sorted_ids, expert_ids, post = alignment
+    used = int(post.item())
+    ids = sorted_ids[:used].long()
+    ok = ids < slots.numel() * topk
+    slot = torch.where(ok, slots.long()[ids.clamp(max=slots.numel() * topk - 1) // topk], -1)
+    one_hot = torch.zeros(used // block_m, int(slots.max()) + 2, device=ids.device)
+    one_hot.scatter_(1, (slot + 1).view(-1, block_m), 1.0)
+    return float(one_hot[:, 1:].sum(1).mean())
+
+
 def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     import inspect
 
@@ -114,15 +134,23 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     base_tile = moe_gemm.tile(cfg, block_m, FP8_BLOCK[1])
 
     shuffled = shuffled_alignment(problem.alignment, block_m)
+    real = sglang_alignment(ids, block_m, experts)
+    num_slots = ranks.numel()
+    ordered = (moe_gemm.order_by_adapter(real[0], real[1], real[2], slots, topk, block_m, num_slots), *real[1:])
+    print(f"adapters a block (with a delta), {ranks_name} {tokens} tokens: "
+          f"stable list {adapters_per_block(problem.alignment, slots, topk, block_m):.2f}, "
+          f"SGLang's moe_align_block_size {adapters_per_block(real, slots, topk, block_m):.2f}, "
+          f"shuffled {adapters_per_block(shuffled, slots, topk, block_m):.2f}, "
+          f"SGLang's ordered by adapter {adapters_per_block(ordered, slots, topk, block_m):.2f}", flush=True)
 
-    def own(epilogue=None, blocks=None, tma=use_tma, n_tiles=0, rank_step=0, **change):
+    def own(epilogue=None, blocks=None, tma=use_tma, n_tiles=0, **change):
         tile = {**base_tile, **change}
         sorted_ids, expert_ids, post = blocks or lists[tile["BLOCK_M"]]
         moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
                           bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                           num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
                           scale_block_n=FP8_BLOCK[0], topk=topk, lora=epilogue, weights_by_tma=tma,
-                          n_tiles=n_tiles, rank_step=rank_step)
+                          n_tiles=n_tiles)
 
     def sglang_quantize():
         from sglang.kernels.ops.moe import fused_moe_triton_kernels as kernels  # as its launcher imports it
@@ -147,16 +175,19 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
         "own + LoRA, SGLang's blocks, GROUP_M=8": lambda: own(lora, GROUP_M=8),
         "own + LoRA, SGLang's blocks, TMA off": lambda: own(lora, tma=False),
         **{f"wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, n_tiles=n, **c)) for n, c in WIDE},
-        **{f"wide + LoRA, {label(n, c)}, by rank {step}": (lambda n=n, c=c, step=step: own(
-            lora, n_tiles=n, rank_step=step, **c)) for n, c, step in BY_RANK},
         "own + LoRA, segments": lambda: own(lora, blocks=segments),
         "sglang, shuffled": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, shuffled[0],
                                            expert_ids, post, True, 1, cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True,
                                            use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
                                            per_channel_quant=False, block_shape=list(FP8_BLOCK), b_use_tma=use_tma),
-        **{f"shuffled: wide + LoRA, {label(n, c)}{f', by rank {step}' if step else ''}": (
-            lambda n=n, c=c, step=step: own(lora, blocks=shuffled, n_tiles=n, rank_step=step, **c))
-           for n, c, step in SHUFFLED},
+        **{f"SGLang's list: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=real, n_tiles=n, **c))
+           for n, c in WIDE[1:4]},
+        "order by adapter": lambda: moe_gemm.order_by_adapter(real[0], real[1], real[2], slots, topk, block_m,
+                                                              num_slots),
+        **{f"SGLang's list ordered: wide + LoRA, {label(n, c)}": (
+            lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in WIDE[1:4]},
+        **{f"shuffled: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=shuffled, n_tiles=n, **c))
+           for n, c in SHUFFLED},
     }
     graphs = {}
     with capture_mode():

@@ -125,7 +125,7 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
     lora = moe_gemm.LoRAEpilogue(t_dn, info.down_lora_b_weights, slots, enabled, ranks,
                                  info.down_lora_b_weights.shape[1], max_rank)
 
-    wide_tile, n_tiles, rank_step = fused_lora.wide_tile(cfg, group_k, act.shape[1], max_rank)
+    wide_tile, n_tiles = fused_lora.wide_tile(cfg, group_k, act.shape[1], max_rank)
 
     def own(epilogue, tma=use_tma, wide=False):
         moe_gemm.moe_gemm(q, problem.w2, c3.view(-1, c3.shape[2]), a_scale=q_scale, w_scale=problem.w2_scale,
@@ -133,7 +133,7 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
                           num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True,
                           tile=wide_tile if wide else moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k),
                           scale_block_n=group_n, topk=ids.shape[1], lora=epilogue, weights_by_tma=tma,
-                          n_tiles=n_tiles if wide else 0, rank_step=rank_step if wide else 0)
+                          n_tiles=n_tiles if wide else 0)
 
     parts = {
         "down_sglang": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, sorted_ids,

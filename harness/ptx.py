@@ -127,7 +127,7 @@ def wide_down(**meta) -> dict:
 
     constexprs = dict(TOPK=8, SCALE_BLOCK_N=128, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, BLOCK_R=16, K_TILES=2,
                       N_TILES=16, FP8=True, MUL_ROUTED_WEIGHT=True, LORA=True, B_TMA=False, RANK_GRANULE=8,
-                      EVEN_K=True, RANK_STEP=0, b_desc=None)
+                      EVEN_K=True, b_desc=None)
     constexprs.update(meta)
     int32 = ("sorted_ids_ptr", "expert_ids_ptr", "num_post_padded_ptr", "token_lora_ptr", "enabled_ptr", "ranks_ptr")
     return compiled(moe_gemm._moe_gemm_wide_kernel,
@@ -147,8 +147,7 @@ CONFIGURATIONS = {
     "fused down GEMM": lambda: fused_down(),
     "fused down GEMM, exact rank masks": lambda: fused_down(RANK_GRANULE=1),
     "wide fused down GEMM, rank 16": lambda: wide_down(),
-    "wide fused down GEMM, rank 32": lambda: wide_down(BLOCK_N=64, N_TILES=32, BLOCK_R=32),
-    "wide fused down GEMM, rank 64, by rank": lambda: wide_down(BLOCK_R=64, RANK_STEP=16),
+    "wide fused down GEMM, rank 64": lambda: wide_down(BLOCK_N=64, N_TILES=32, BLOCK_R=64),
     # The other tuned decode tiles of Qwen3-30B-A3B tp 1 (512 pairs; "rank tiles of 16" is the gate-up expand's).
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
                                          num_warps=4),

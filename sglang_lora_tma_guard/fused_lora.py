@@ -37,14 +37,11 @@ MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 NAME = "invoke_fused_moe_kernel"
 MAX_RANK = 64
 """Above this rank the epilogue's tiles would not fit in registers: the hooks' expand runs instead."""
-WIDE_TILES = ((16, 16, {"num_stages": 2}, 0), (32, 32, {"BLOCK_N": 64, "num_stages": 2}, 0),
-              (MAX_RANK, 16, {"num_stages": 2}, 16))
+WIDE_TILES = ((16, 16, {"num_stages": 2}), (MAX_RANK, 32, {"BLOCK_N": 64, "num_stages": 2}))
 """The wide down GEMM's tile by the adapters' max rank: (up to that rank, column tiles a program, changes to
-SGLang's tile, ``moe_gemm``'s ``rank_step``), the fastest variants on the GLM-5.1 TP8 down GEMM
-(``benchmarks/down_gemm.py``): past rank 16 the epilogue's tiles of the max rank need the narrower columns to
-stay in registers; past rank 32 each adapter's expand runs at its own rank, 16 ranks a step (with a tile of
-rank 64, a block's rank-8 rows would cost a rank-64 GEMM)."""
-FASTER_FROM_ROUTES = ((8, 32768), (16, 16384), (32, 65536), (MAX_RANK, 16384))
+SGLang's tile), the fastest variants on the GLM-5.1 TP8 down GEMM (``benchmarks/down_gemm.py``): past rank
+16 the epilogue's tiles need the narrower columns to stay in registers."""
+FASTER_FROM_ROUTES = ((8, 32768), (16, 16384), (32, 65536))
 """Where ``=fast`` takes the fused down launch: (up to that max rank, from that many routes), block-fp8
 experts; none past rank 32. Measured on an H200 (``benchmarks/down_gemm.py``, the GLM-5.1 TP8 down GEMM;
 ``benchmarks/results/lora_moe/down-gemm/``), the down side of a hooked call fused against unfused, ms:
@@ -139,7 +136,7 @@ class DownWork:
         fp8 = bool(a["use_fp8_w8a8"])
         group_n, group_k = a["block_shape"] if fp8 else (1, None)
         x, x_scale = quantize_per_group(A, group_k) if fp8 else (A, None)
-        gemm_tile, n_tiles, rank_step = wide_tile(a["config"], group_k, A.shape[1], self.max_rank)
+        gemm_tile, n_tiles = wide_tile(a["config"], group_k, A.shape[1], self.max_rank)
         moe_gemm(x, B, C.view(tokens * topk, C.shape[2]), a_scale=x_scale, w_scale=a["B_scale"] if fp8 else None,
                  bias=None, topk_weights=a["topk_weights"].view(-1), sorted_ids=a["sorted_token_ids"],
                  expert_ids=a["expert_ids"], num_post_padded=a["num_tokens_post_padded"], routes_per_a_row=1,
@@ -147,21 +144,20 @@ class DownWork:
                  lora=LoRAEpilogue(t, self.lora_b, self.token_lora, self.enabled, self.ranks,
                                    self.routing.num_experts, self.max_rank),
                  weights_by_tma=bool(a.get("b_use_tma")),  # where SGLang would take them by TMA itself
-                 n_tiles=n_tiles, rank_step=rank_step)
+                 n_tiles=n_tiles)
         self.done = C
 
 
-def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int) -> tuple[dict, int, int]:
-    """The down GEMM's tile from SGLang's ``config``, its column tiles a program and its epilogue's rank step:
-    :data:`WIDE_TILES`' for ``max_rank`` where the wide kernel takes K (``k`` in at most ``WIDE_K_TILES``
-    tiles), else SGLang's tile, 0 and 0."""
+def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int) -> tuple[dict, int]:
+    """The down GEMM's tile from SGLang's ``config`` and its column tiles a program: :data:`WIDE_TILES`' for
+    ``max_rank`` where the wide kernel takes K (``k`` in at most ``WIDE_K_TILES`` tiles), else SGLang's and 0."""
     from .moe_gemm import WIDE_K_TILES, tile
 
     gemm_tile = tile(config, config["BLOCK_SIZE_M"], group_k)
     if -(-k // gemm_tile["BLOCK_K"]) > WIDE_K_TILES:
-        return gemm_tile, 0, 0
-    n_tiles, change, rank_step = next((n, change, step) for rank, n, change, step in WIDE_TILES if max_rank <= rank)
-    return {**gemm_tile, **change}, n_tiles, rank_step
+        return gemm_tile, 0
+    n_tiles, change = next((n, change) for rank, n, change in WIDE_TILES if max_rank <= rank)
+    return {**gemm_tile, **change}, n_tiles
 
 
 def offer(work: DownWork) -> None:

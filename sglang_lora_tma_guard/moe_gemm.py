@@ -168,7 +168,6 @@ def _moe_gemm_wide_kernel(
     N_TILES: tl.constexpr,  # column tiles a program computes, the block's rows, scales and ranks read once for all
     FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr, B_TMA: tl.constexpr,
     RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
-    RANK_STEP: tl.constexpr,  # with LORA: 0, a tile of BLOCK_R ranks per adapter; else its own ranks, this many a step
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -200,12 +199,10 @@ def _moe_gemm_wide_kernel(
     if LORA:
         slot, wanted, rank, first, first_rank, last, last_rank = _lora_slots(
             routes, route_ok, expert, token_lora_ptr, enabled_ptr, ranks_ptr, num_slots, lora_experts, TOPK)
-        if RANK_STEP:  # the ranks step by step, from L1 (a tile of all of them would not fit beside acc)
-            ranks_t = route_ok
-        else:  # the block's ranks once for all its column tiles (read again per tile they would be a gather of
-            # scattered rows each time); the B tiles per column tile
-            ranks_t = _lora_ranks(t_ptr, routes, wanted, rank, 0, stride_tm, BLOCK_R, RANK_GRANULE,
-                                  lora_b_ptr.dtype.element_ty)
+        # The block's ranks once for all its column tiles (read again per tile they would be a gather of
+        # scattered rows each time); the B tiles per column tile.
+        ranks_t = _lora_ranks(t_ptr, routes, wanted, rank, 0, stride_tm, BLOCK_R, RANK_GRANULE,
+                              lora_b_ptr.dtype.element_ty)
     if not FP8:
         as_ptrs = a_ptrs
     if not MUL_ROUTED_WEIGHT:
@@ -217,22 +214,21 @@ def _moe_gemm_wide_kernel(
     # beats a loop split in two by that case and an epilogue in chunks of ranks.
     for j in range(N_TILES):
         _wide_tile(first_tile + j, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr,
-                   b_scale_ptr, t_ptr, lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last,
-                   last_rank, num_slots, N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm,
-                   stride_cn, stride_se, stride_sn, stride_sk, stride_tm, stride_ll, stride_le, stride_ln, stride_lr,
-                   SCALE_BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA,
-                   RANK_GRANULE, EVEN_K, RANK_STEP)
+                   b_scale_ptr, lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last, last_rank,
+                   num_slots, N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                   stride_se, stride_sn, stride_sk, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
+                   BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
+                   EVEN_K)
 
 
 @triton.jit
 def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr, b_scale_ptr,
-               t_ptr, lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last, last_rank, num_slots,
+               lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last, last_rank, num_slots,
                N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
-               stride_sk, stride_tm, stride_ll, stride_le, stride_ln, stride_lr,
+               stride_sk, stride_ll, stride_le, stride_ln, stride_lr,
                SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-               LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
-               RANK_STEP: tl.constexpr):
+               LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr):
     """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -247,11 +243,7 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
         acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
                       as_ptrs + kt * stride_ask, s_ptrs + kt * stride_sk, route_ok, offs_k, expert, tile * BLOCK_N,
                       kt * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0)
-    if LORA and RANK_STEP:
-        acc = _lora_add_by_rank(acc, routes, slot, wanted, first, last, expert, offs_n, n_ok, t_ptr, lora_b_ptr,
-                                ranks_ptr, stride_tm, stride_ll, stride_le, stride_ln, stride_lr, RANK_STEP,
-                                RANK_GRANULE)
-    elif LORA:
+    if LORA:
         first_b, last_b = _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok,
                                           stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
         acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
@@ -429,31 +421,6 @@ def _lora_rest(acc, slot, wanted, t, first, last, expert, offs_n, n_ok, b_ptr, r
 
 
 @triton.jit
-def _lora_add_by_rank(acc, routes, slot, wanted, first, last, expert, offs_n, n_ok, t_ptr, b_ptr, ranks_ptr,
-                      stride_tm, stride_bl, stride_be, stride_bn, stride_br, RANK_STEP: tl.constexpr,
-                      RANK_GRANULE: tl.constexpr):
-    """:func:`_lora_add` with each adapter present in the block at its own rank, ``RANK_STEP`` ranks a step
-    (its rows' ranks from ``t``, read again each step: from L1 after the first column tile). With a tile of
-    the max rank every adapter's GEMM is one of that rank: with ranks 8 to 64, three quarters of the
-    epilogue's multiply-adds were on zeros."""
-    offs_r = tl.arange(0, RANK_STEP)
-    for s in range(first, last + 1):
-        mine = wanted & (slot == s)
-        if tl.max(mine.to(tl.int32), 0) > 0:  # this adapter has rows in the block
-            rank = tl.load(ranks_ptr + s)
-            loaded = _granule(rank, RANK_GRANULE)
-            t_row = t_ptr + routes[:, None] * stride_tm
-            b_col = _lora_b_base(b_ptr, s, expert, stride_bl, stride_be) + offs_n[None, :] * stride_bn
-            for r0 in range(0, rank, RANK_STEP):
-                r = tl.multiple_of(r0, RANK_STEP) + offs_r
-                t = tl.load(t_row + r[None, :], mask=mine[:, None] & (r < loaded)[None, :], other=0.0)
-                t = tl.where((r < rank)[None, :], t, 0.0).to(b_ptr.dtype.element_ty)
-                b = tl.load(b_col + r[:, None] * stride_br, mask=(r < loaded)[:, None] & n_ok[None, :], other=0.0)
-                acc += tl.dot(t, tl.where((r < rank)[:, None], b, 0.0))
-    return acc
-
-
-@triton.jit
 def _quantize_group(x, q_ptrs, s_ptr, ok):
     """Store ``x`` (one row's K group, float32) as fp8 with scale max|x| / FP8_MAX, as SGLang does."""
     scale = tl.maximum(tl.max(tl.abs(tl.where(ok, x, 0.0))), _QUANT_EPS) / _FP8_MAX
@@ -474,6 +441,62 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, rows, K, stride_x, stride_q, stride_s,
     q = tl.clamp(x * (1.0 / scale)[:, None], -_FP8_MAX, _FP8_MAX)
     tl.store(q_ptr + offs_m[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + offs_m * stride_s + tl.program_id(1), scale, mask=offs_m < rows)
+
+
+@triton.jit
+def _adapter_keys(ids, token_lora_ptr, num_routes, num_slots, TOPK: tl.constexpr):
+    """Each route's sort key: its token's slot, ``num_slots`` for padding and tokens of no slot."""
+    ok = ids < num_routes
+    slot = tl.load(token_lora_ptr + ids // TOPK, mask=ok, other=-1)
+    return tl.where(ok & (slot >= 0) & (slot < num_slots), slot, num_slots)
+
+
+@triton.jit
+def _order_by_adapter_kernel(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, token_lora_ptr, out_ptr,
+                             num_routes, num_slots, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                             KEYS: tl.constexpr):
+    """``out``: SGLang's route list with each expert's routes (its run of blocks) ordered by adapter slot, a
+    counting sort by the program of the run's first block (the others return). Blocks and experts stay."""
+    b = tl.program_id(0)
+    blocks = tl.load(num_post_padded_ptr) // BLOCK_M
+    if b >= blocks:
+        return
+    expert = tl.load(expert_ids_ptr + b)
+    if b > 0:
+        if tl.load(expert_ids_ptr + b - 1) == expert:
+            return
+    end = b + 1
+    more = end < blocks
+    while more:
+        more = tl.load(expert_ids_ptr + end) == expert
+        end = tl.where(more, end + 1, end)
+        more = more & (end < blocks)
+    offs, keys = tl.arange(0, BLOCK_M), tl.arange(0, KEYS)
+    counts = tl.zeros((KEYS,), dtype=tl.int32)
+    for blk in range(b, end):
+        key = _adapter_keys(tl.load(sorted_ids_ptr + blk * BLOCK_M + offs), token_lora_ptr, num_routes, num_slots,
+                            TOPK)
+        counts += tl.sum((key[:, None] == keys[None, :]).to(tl.int32), 0)
+    starts = b * BLOCK_M + tl.cumsum(counts, 0) - counts  # each key's first place in the run
+    for blk in range(b, end):
+        ids = tl.load(sorted_ids_ptr + blk * BLOCK_M + offs)
+        hot = (_adapter_keys(ids, token_lora_ptr, num_routes, num_slots, TOPK)[:, None] == keys[None, :]).to(tl.int32)
+        place = starts[None, :] + tl.cumsum(hot, 0) - hot  # after the key's routes of earlier rows and blocks
+        tl.store(out_ptr + tl.sum(hot * place, 1), ids)
+        starts += tl.sum(hot, 0)
+
+
+def order_by_adapter(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
+                     token_lora: torch.Tensor, topk: int, block_m: int, num_slots: int) -> torch.Tensor:
+    """SGLang's route list (``moe_align_block_size``'s ``sorted_token_ids``, blocks of ``block_m``) with each
+    expert's routes ordered by their token's adapter slot (``token_lora``), padding and tokens of no slot last;
+    the blocks, their experts and the blocks used stay as they are. Only the used blocks are written."""
+    out = torch.empty_like(sorted_ids)
+    num_routes = token_lora.numel() * topk
+    _order_by_adapter_kernel[(cdiv(sorted_ids.numel(), block_m),)](
+        sorted_ids, expert_ids, num_post_padded, token_lora, out, num_routes, num_slots, TOPK=topk, BLOCK_M=block_m,
+        KEYS=triton.next_power_of_2(num_slots + 1))
+    return out
 
 
 def tile(config: dict, block_m: int, fp8_group_k: int | None) -> dict:
@@ -512,7 +535,7 @@ class LoRAEpilogue:
 def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, expert_ids,
              num_post_padded, routes_per_a_row: int, mul_routed_weight: bool, tile: dict,
              scale_block_n: int = 1, topk: int | None = None, lora: LoRAEpilogue | None = None,
-             weights_by_tma: bool = False, n_tiles: int = 0, rank_step: int = 0) -> None:
+             weights_by_tma: bool = False, n_tiles: int = 0) -> None:
     """One expert GEMM over SGLang's sorted route list, written route-major into ``out`` (R, N).
 
     ``a`` is fp8 with per-row, per-K-group ``a_scale`` when ``w_scale`` is given (block fp8); then
@@ -522,9 +545,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     divide a half). ``weights_by_tma``: the weight tiles loaded through a tensor descriptor (Hopper).
     ``n_tiles``: each program computes
     that many column tiles (:func:`_moe_gemm_wide_kernel`: one A row per route, no bias, SGLang's route list,
-    K of at most ``WIDE_K_TILES`` tiles); ``tile["GROUP_M"]`` is then unused. ``rank_step`` (with ``n_tiles``
-    and ``lora``): each adapter's expand at its own rank, that many ranks a step (a multiple of 16), instead
-    of a tile of the max rank for every adapter.
+    K of at most ``WIDE_K_TILES`` tiles); ``tile["GROUP_M"]`` is then unused.
     """
     experts, n, k = w.shape
     fp8 = w_scale is not None
@@ -565,7 +586,6 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     if n_tiles:
         assert routes_per_a_row == 1 and bias is None and (lora is None or lora.halves == 1), \
             "the wide GEMM takes SGLang's down GEMMs"
-        assert rank_step % 16 == 0, f"rank_step {rank_step}: a step is one dot, of at least 16 ranks"
         k_tiles = cdiv(k, block_k)
         assert k_tiles <= WIDE_K_TILES, f"K={k} is {k_tiles} tiles of {block_k}, the wide GEMM unrolls {WIDE_K_TILES}"
         wide = {name: value for name, value in tile.items() if name != "GROUP_M"}
@@ -581,7 +601,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
             TOPK=topk or 1, SCALE_BLOCK_N=scale_block_n, BLOCK_R=lora.block_r() if lora is not None else 16,
             K_TILES=k_tiles, N_TILES=n_tiles, FP8=fp8, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
             B_TMA=b_desc is not None, RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1,
-            EVEN_K=k % block_k == 0, RANK_STEP=rank_step if lora is not None else 0, **wide,
+            EVEN_K=k % block_k == 0, **wide,
         )
         return
     grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, tile["BLOCK_N"]),)

@@ -76,10 +76,8 @@ def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
     return out
 
 
-def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, n_tiles: int = 0,
-        rank_step: int = 0):
-    """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``, its
-    epilogue a tile of the max rank or (``rank_step``) each adapter's own ranks in steps."""
+def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, n_tiles: int = 0):
+    """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``."""
     sorted_ids, expert_ids, post_padded = align_block_size(inputs["topk_ids"], block_m, EXPERTS)
     out = torch.full((TOKENS * TOPK, n), float("nan"), dtype=torch.float16)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if fp8 else block_k, GROUP_M=2, num_warps=4,
@@ -88,12 +86,11 @@ def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma
                       topk_weights=inputs["weights"].reshape(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                       num_post_padded=post_padded, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
                       scale_block_n=128 if fp8 else 1, topk=TOPK, lora=inputs["lora"], weights_by_tma=tma,
-                      n_tiles=n_tiles, rank_step=rank_step)
+                      n_tiles=n_tiles)
     return out
 
 
-@pytest.mark.parametrize("n_tiles, rank_step", [(0, 0), (3, 0), (3, 16)],
-                         ids=["one-tile-a-program", "wide", "wide-by-rank"])
+@pytest.mark.parametrize("n_tiles", [0, 3], ids=["one-tile-a-program", "wide"])
 @pytest.mark.parametrize("fp8, shared_outer, tma, n, k, block_m, block_n, block_k", [
     # Out of the default run (the interpreter's minutes); there the fused launch is proven through SGLang's
     # runner (tests/test_fast_lora.py::test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster).
@@ -103,9 +100,9 @@ def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma
     pytest.param(False, True, False, 200, 72, 32, 64, 64, marks=pytest.mark.slow),
 ], ids=["fp16", "block-fp8", "block-fp8-weights-by-tma", "shared-outer-block-32"])
 def test_the_epilogue_adds_each_routes_own_adapter_delta(fp8, shared_outer, tma, n, k, block_m, block_n, block_k,
-                                                         n_tiles, rank_step):
+                                                         n_tiles):
     inputs, expected = make(n, k, fp8, shared_outer)
-    out = run(inputs, n, block_m, block_n, block_k, fp8, tma, n_tiles, rank_step).float()
+    out = run(inputs, n, block_m, block_n, block_k, fp8, tma, n_tiles).float()
     assert not out.isnan().any()
     err = float((out - expected).abs().max() / expected.abs().max())
     assert err < TOLERANCE, err
