@@ -134,13 +134,23 @@ class LoRABatch:
     cache3: torch.Tensor
 
 
-def lora_batch(shape: dict, ranks_name: str, tokens: int, weights) -> LoRABatch:
+def lora_batch(shape: dict, ranks_name: str, tokens: int, weights, route_list: str = "sglang") -> LoRABatch:
+    """``route_list``: ``sglang``, the route list of SGLang's own ``moe_align_block_size`` (its GPU kernel, as a
+    server has it: each expert's routes in the order its atomics took them), or ``stable`` (``tiny_moe``'s: each
+    expert's routes in token order, so the batch's adapters, which own runs of tokens, lie in runs)."""
     from benchmarks._bench import lookup_configs
     from harness import tiny_moe
 
     config, down_config, use_tma = lookup_configs(shape, tokens, weight_base(weights))
     problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
                                     dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config)
+    if route_list == "sglang":
+        from sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size import moe_align_block_size
+
+        problem.__dict__["alignment"] = moe_align_block_size(problem.topk_ids, config["BLOCK_SIZE_M"],
+                                                             problem.num_experts)
+    else:
+        assert route_list == "stable", route_list
     info = lora_info(problem, ranks_name, seed=tokens)
     hidden, topk = problem.hidden_states, shape["topk"]
     gen = torch.Generator(device="cuda").manual_seed(7)

@@ -110,7 +110,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     from harness.tiny_moe import FP8_BLOCK
     from sglang_lora_tma_guard import lora_moe, lora_path, moe_gemm, tuning
 
-    batch = lora_batch(shape, ranks_name, tokens, weights)
+    batch = lora_batch(shape, ranks_name, tokens, weights, route_list="stable")  # SGLang's own: rows of their own
     problem, info, use_tma, act, c3 = batch.problem, batch.info, batch.use_tma, batch.act, batch.cache3
     ids, w, cfg = problem.topk_ids, problem.topk_weights, dict(problem.down_config)
     assert problem.block_fp8, "the down GEMM rows compare block-fp8 GEMMs"

@@ -122,12 +122,13 @@ class DownWork:
     def run(self, a: dict) -> None:
         """The down shrink, then the down GEMM with the expand in its epilogue, into ``C``.
 
-        The GEMM walks SGLang's route list, whose blocks mix adapters (the epilogue adds each row's own
-        delta), one block against several column tiles a program (:data:`WIDE_TILES`) where K is short enough
+        The GEMM walks SGLang's route list, each expert's routes ordered by adapter first
+        (:func:`~sglang_lora_tma_guard.moe_gemm.order_by_adapter`; blocks may still mix adapters: the epilogue
+        adds each row's own delta), one block against several column tiles a program (:data:`WIDE_TILES`) where K is short enough
         (:func:`~sglang_lora_tma_guard.moe_gemm.moe_gemm`'s ``n_tiles``: the block's rows, scales and ranks
         read once for all its tiles)."""
         from . import lora_moe
-        from .moe_gemm import LoRAEpilogue, moe_gemm, quantize_per_group
+        from .moe_gemm import LoRAEpilogue, moe_gemm, order_by_adapter, quantize_per_group
 
         A, B, C = a["A"], a["B"], a["C"]
         tokens, topk = self.topk_ids.shape
@@ -137,8 +138,12 @@ class DownWork:
         group_n, group_k = a["block_shape"] if fp8 else (1, None)
         x, x_scale = quantize_per_group(A, group_k) if fp8 else (A, None)
         gemm_tile, n_tiles = wide_tile(a["config"], group_k, A.shape[1], self.max_rank)
+        # SGLang's list holds each expert's routes in the order its atomics took them: about every adapter in
+        # every block, each adding a GEMM to the block's epilogue. Ordered, a block holds one or two.
+        sorted_ids = order_by_adapter(a["sorted_token_ids"], a["expert_ids"], a["num_tokens_post_padded"],
+                                      self.token_lora, topk, gemm_tile["BLOCK_M"], self.ranks.numel())
         moe_gemm(x, B, C.view(tokens * topk, C.shape[2]), a_scale=x_scale, w_scale=a["B_scale"] if fp8 else None,
-                 bias=None, topk_weights=a["topk_weights"].view(-1), sorted_ids=a["sorted_token_ids"],
+                 bias=None, topk_weights=a["topk_weights"].view(-1), sorted_ids=sorted_ids,
                  expert_ids=a["expert_ids"], num_post_padded=a["num_tokens_post_padded"], routes_per_a_row=1,
                  mul_routed_weight=True, tile=gemm_tile, scale_block_n=group_n, topk=topk,
                  lora=LoRAEpilogue(t, self.lora_b, self.token_lora, self.enabled, self.ranks,

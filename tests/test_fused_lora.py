@@ -76,9 +76,25 @@ def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
     return out
 
 
-def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, n_tiles: int = 0):
-    """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``."""
+def shuffled(route_list, block_m: int, seed: int = 0):
+    """``route_list`` with each expert's run of routes in random order, as SGLang's GPU kernel, whose atomics
+    place them, may leave it (``align_block_size`` keeps them in token order)."""
+    sorted_ids, expert_ids, post_padded = route_list
+    used = int(post_padded)
+    experts = expert_ids.long().repeat_interleave(block_m)[:used]
+    noise = torch.rand(used, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    out = sorted_ids.clone()
+    out[:used] = sorted_ids[:used][torch.argsort(experts + noise / 2)]
+    return out, expert_ids, post_padded
+
+
+def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, n_tiles: int = 0,
+        order=None):
+    """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``; ``order``:
+    a change to the list first."""
     sorted_ids, expert_ids, post_padded = align_block_size(inputs["topk_ids"], block_m, EXPERTS)
+    if order is not None:
+        sorted_ids, expert_ids, post_padded = order((sorted_ids, expert_ids, post_padded), block_m)
     out = torch.full((TOKENS * TOPK, n), float("nan"), dtype=torch.float16)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if fp8 else block_k, GROUP_M=2, num_warps=4,
                 num_stages=2)
@@ -109,3 +125,41 @@ def test_the_epilogue_adds_each_routes_own_adapter_delta(fp8, shared_outer, tma,
     # The deltas are not small beside the base rows: a dropped or doubled one would fail the bound.
     base_only = run({**inputs, "lora": None}, n, block_m, block_n, block_k, fp8, tma, n_tiles).float()
     assert float((base_only - expected).abs().max() / expected.abs().max()) > 50 * TOLERANCE
+
+
+def order_by_adapter(route_list, block_m: int):
+    sorted_ids, expert_ids, post_padded = route_list
+    token_lora = make(8, 8, False, False)[0]["lora"].token_lora
+    return (moe_gemm.order_by_adapter(sorted_ids, expert_ids, post_padded, token_lora, TOPK, block_m, len(RANKS)),
+            expert_ids, post_padded)
+
+
+def test_order_by_adapter_orders_each_experts_routes_by_slot_and_moves_none_out_of_its_run():
+    """What the fused down launch walks: SGLang's list (here with each expert's routes shuffled, as its GPU
+    kernel's atomics may leave them), each expert's run of blocks ordered by the routes' adapter slots (padding
+    and tokens of no slot last), every route in its own expert's run, the blocks and their experts as given."""
+    inputs = make(8, 8, False, False)[0]
+    token_lora, block_m = inputs["lora"].token_lora, 4
+    given = shuffled(align_block_size(inputs["topk_ids"], block_m, EXPERTS), block_m)
+    ordered, expert_ids, post_padded = order_by_adapter(given, block_m)
+    used, routes = int(post_padded), TOKENS * TOPK
+    run_of = given[1].long().repeat_interleave(block_m)[:used]
+    changed = 0
+    for expert in run_of.unique().tolist():
+        before, after = given[0][:used][run_of == expert], ordered[:used][run_of == expert]
+        assert sorted(before.tolist()) == sorted(after.tolist()), expert
+        slot = torch.where(after < routes, token_lora[after.clamp(max=routes - 1).long() // TOPK], -1)
+        key = torch.where(slot >= 0, slot, len(RANKS))
+        assert (key[1:] >= key[:-1]).all(), (expert, key)
+        changed += int((before != after).sum())
+    assert changed > 0  # the shuffled list was not already in that order
+
+
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fp16", "block-fp8"])
+def test_the_wide_epilogue_is_right_over_a_shuffled_list_and_over_it_ordered_by_adapter(fp8):
+    n, k = (200, 72) if not fp8 else (72, 200)
+    inputs, expected = make(n, k, fp8, False)
+    for order in (shuffled, lambda route_list, block_m: order_by_adapter(shuffled(route_list, block_m), block_m)):
+        out = run(inputs, n, 16, 32, 32, fp8, n_tiles=3, order=order).float()
+        assert not out.isnan().any()
+        assert float((out - expected).abs().max() / expected.abs().max()) < TOLERANCE
