@@ -123,10 +123,10 @@ class DownWork:
         """The down shrink, then the down GEMM with the expand in its epilogue, into ``C``.
 
         The GEMM walks SGLang's route list, each expert's routes ordered by adapter first
-        (:func:`~sglang_lora_tma_guard.moe_gemm.order_by_adapter`; blocks may still mix adapters: the epilogue
-        adds each row's own delta), one block against several column tiles a program (:data:`WIDE_TILES`) where K is short enough
-        (:func:`~sglang_lora_tma_guard.moe_gemm.moe_gemm`'s ``n_tiles``: the block's rows, scales and ranks
-        read once for all its tiles)."""
+        (:func:`~sglang_lora_tma_guard.moe_gemm.order_by_adapter`; a block may still hold several adapters:
+        the epilogue adds each row's own delta), one block against several column tiles a program
+        (:data:`WIDE_TILES`) where K is short enough (:func:`~sglang_lora_tma_guard.moe_gemm.moe_gemm`'s
+        ``n_tiles``: the block's rows, scales and ranks read once for all its tiles)."""
         from . import lora_moe
         from .moe_gemm import LoRAEpilogue, moe_gemm, order_by_adapter, quantize_per_group
 
