@@ -66,20 +66,6 @@ def segment_alignment(topk_ids: torch.Tensor, groups: torch.Tensor, block_m: int
     return mapped.to(torch.int32), expert_ids, post
 
 
-def shuffled_alignment(alignment, block_m: int, seed: int = 0):
-    """SGLang's route list with each expert's routes (and its padding) in random order, as a route list made
-    by atomics may hold them (``tiny_moe.align_block_size`` keeps each expert's routes in token order, so that
-    the batch's adapters, which own runs of tokens, lie in runs). The blocks and their experts are kept."""
-    sorted_ids, expert_ids, post = alignment
-    used = int(post.item())
-    experts = expert_ids.long().repeat_interleave(block_m)[:used]
-    noise = torch.rand(used, generator=torch.Generator(device="cpu").manual_seed(seed)).to(sorted_ids.device)
-    order = torch.argsort(experts.double() + noise.double() * 0.5, stable=True)  # blocks stay expert-sorted
-    shuffled = sorted_ids.clone()
-    shuffled[:used] = sorted_ids[:used][order]
-    return shuffled, expert_ids, post
-
-
 def sglang_alignment(topk_ids, block_m: int, num_experts: int):
     """The route list of SGLang's own ``moe_align_block_size`` (its GPU kernel: each expert's routes in the
     order its atomics took them)."""
@@ -107,6 +93,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     import triton.language as tl
     from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
 
+    from harness import tiny_moe
     from harness.tiny_moe import FP8_BLOCK
     from sglang_lora_tma_guard import lora_moe, lora_path, moe_gemm, tuning
 
@@ -133,7 +120,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
     base_tile = moe_gemm.tile(cfg, block_m, FP8_BLOCK[1])
 
-    shuffled = shuffled_alignment(problem.alignment, block_m)
+    shuffled = tiny_moe.shuffle_runs(problem.alignment, block_m)
     real = sglang_alignment(ids, block_m, experts)
     num_slots = ranks.numel()
     ordered = (moe_gemm.order_by_adapter(real[0], real[1], real[2], slots, topk, block_m, num_slots), *real[1:])

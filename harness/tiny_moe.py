@@ -1,6 +1,7 @@
 """The tiny MoE layer of ``check --selftest`` (:mod:`sglang_lora_tma_guard.tiny_moe`, which ships), and
-what only the tests and the benchmarks do with it: new routes for a problem, a hooked call's arguments
-bound by name (as the fallback receives them), and the launch flags of the paths the guard avoids.
+what only the tests and the benchmarks do with it: new routes for a problem, a route list shuffled as a GPU's
+may be, a hooked call's arguments bound by name (as the fallback receives them), and the launch flags of the
+paths the guard avoids.
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ NO_TMA_LAUNCH = {"a_use_tma": False, "b_use_tma": False, "c_sorted": False}
 FULL_TMA_LAUNCHES = [{"a_use_tma": False, "b_use_tma": False, "c_sorted": True},   # gate-up
                      {"a_use_tma": True, "b_use_tma": True, "c_sorted": False}]   # down
 """SGLang's TMA down path of a hooked call (0.5.11-0.5.16): the gate-up output expert-sorted."""
+
+
+def shuffle_runs(route_list, block_m: int, seed: int = 0):
+    """A route list (``sorted_ids, expert_ids, num_post_padded``) with each expert's run of routes, its padding
+    included, in random order: as SGLang's GPU ``moe_align_block_size``, whose atomics place the routes, may
+    leave it (``align_block_size`` keeps each expert's routes in token order). Blocks and experts stay."""
+    sorted_ids, expert_ids, post_padded = route_list
+    used = int(post_padded)
+    experts = expert_ids[:used // block_m].double().repeat_interleave(block_m)
+    noise = torch.rand(used, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    shuffled = sorted_ids.clone()
+    shuffled[:used] = sorted_ids[:used][torch.argsort(experts + noise.to(experts.device) / 2)]
+    return shuffled, expert_ids, post_padded
 
 
 def reroute(problem: MoEProblem, topk_ids: torch.Tensor | None = None,

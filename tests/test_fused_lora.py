@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.tiny_moe import shuffle_runs
 from sglang_lora_tma_guard import moe_gemm
 from sglang_lora_tma_guard.tiny_moe import align_block_size, quantize_block_fp8
 
@@ -76,18 +77,6 @@ def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
     return out
 
 
-def shuffled(route_list, block_m: int, seed: int = 0):
-    """``route_list`` with each expert's run of routes in random order, as SGLang's GPU kernel, whose atomics
-    place them, may leave it (``align_block_size`` keeps them in token order)."""
-    sorted_ids, expert_ids, post_padded = route_list
-    used = int(post_padded)
-    experts = expert_ids.long().repeat_interleave(block_m)[:used]
-    noise = torch.rand(used, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    out = sorted_ids.clone()
-    out[:used] = sorted_ids[:used][torch.argsort(experts + noise / 2)]
-    return out, expert_ids, post_padded
-
-
 def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, n_tiles: int = 0,
         order=None):
     """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``; ``order``:
@@ -140,7 +129,7 @@ def test_order_by_adapter_orders_each_experts_routes_by_slot_and_moves_none_out_
     and tokens of no slot last), every route in its own expert's run, the blocks and their experts as given."""
     inputs = make(8, 8, False, False)[0]
     token_lora, block_m = inputs["lora"].token_lora, 4
-    given = shuffled(align_block_size(inputs["topk_ids"], block_m, EXPERTS), block_m)
+    given = shuffle_runs(align_block_size(inputs["topk_ids"], block_m, EXPERTS), block_m)
     ordered, expert_ids, post_padded = order_by_adapter(given, block_m)
     used, routes = int(post_padded), TOKENS * TOPK
     run_of = given[1].long().repeat_interleave(block_m)[:used]
@@ -159,7 +148,7 @@ def test_order_by_adapter_orders_each_experts_routes_by_slot_and_moves_none_out_
 def test_the_wide_epilogue_is_right_over_a_shuffled_list_and_over_it_ordered_by_adapter(fp8):
     n, k = (200, 72) if not fp8 else (72, 200)
     inputs, expected = make(n, k, fp8, False)
-    for order in (shuffled, lambda route_list, block_m: order_by_adapter(shuffled(route_list, block_m), block_m)):
+    for order in (shuffle_runs, lambda route_list, block_m: order_by_adapter(shuffle_runs(route_list, block_m), block_m)):
         out = run(inputs, n, 16, 32, 32, fp8, n_tiles=3, order=order).float()
         assert not out.isnan().any()
         assert float((out - expected).abs().max() / expected.abs().max()) < TOLERANCE
