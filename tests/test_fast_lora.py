@@ -335,6 +335,40 @@ def test_fast_and_fused_calls_are_right_on_16_bit_experts_in_sglangs_runner(sgla
     assert tiny_moe.rel_err(fast, expected_moe(problem, None)) > 0.05  # the adapters do change the output
 
 
+def test_the_fused_down_launch_orders_sglangs_route_list_by_adapter(sglang_plugins, runners, monkeypatch):
+    """SGLang's GPU ``moe_align_block_size`` leaves each expert's routes in the order its atomics took them
+    (here: shuffled within each expert), and every adapter in a block of that list is one more GEMM in the
+    fused down GEMM's epilogue (on the H200 the fused launch was no faster than the hook over such a list).
+    The launch walks the list with each expert's routes ordered by adapter, the same routes in the same
+    blocks, and the call is right against the float32 reference."""
+    from sglang_lora_tma_guard import fused_lora, moe_gemm
+
+    problem, info = make_case("mixed-ranks-top2", seed=1)
+    block_m, routes = problem.config["BLOCK_SIZE_M"], TOKENS * problem.topk_ids.shape[1]
+    given = problem.__dict__["alignment"] = tiny_moe.shuffle_runs(problem.alignment, block_m)
+    walked, gemm = [], moe_gemm.moe_gemm
+    monkeypatch.setattr(moe_gemm, "moe_gemm", lambda *a, **k: (k["lora"] is not None and walked.append(
+        k["sorted_ids"].clone())) or gemm(*a, **k))
+    sglang_plugins("fast")
+    fused_lora.activate(everywhere=True)
+    try:
+        out = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    finally:
+        fused_lora.deactivate()
+    assert len(walked) == 1
+    assert tiny_moe.rel_err(out, expected_moe(problem, ReferenceLoRAHooks(info))) < 1e-2
+    used = int(given[2])
+    slots = lora_path.token_adapters(info, TOKENS).long()
+    run_of = given[1][:used // block_m].long().repeat_interleave(block_m)
+    for expert in run_of.unique().tolist():
+        before, after = given[0][:used][run_of == expert], walked[0][:used][run_of == expert]
+        assert sorted(before.tolist()) == sorted(after.tolist()), expert
+        slot = torch.where(after < routes, slots[after.clamp(max=routes - 1).long() // problem.topk_ids.shape[1]], -1)
+        key = torch.where((slot >= 0) & (slot < info.lora_ranks.numel()), slot, info.lora_ranks.numel())
+        assert (key[1:] >= key[:-1]).all(), (expert, key)
+    assert not torch.equal(walked[0][:used], given[0][:used])
+
+
 # The tiny MoE is gated, and SGLang's block-fp8 quantizer takes no partial K group: odd widths and an
 # un-gated gate-up are the kernel's own test (tests/test_fused_lora.py) and the hooks' test above.
 @pytest.mark.slow  # =fast takes the fused down launch only for large batches: out of the default run
