@@ -1,13 +1,18 @@
 """For the fast_lora campaign's "fused" server only: places this package's fused down LoRA GEMM
-(:mod:`sglang_lora_tma_guard.fused_lora`) in every Python process of the server that finds this
-folder on its path (launcher, tokenizer, scheduler), at start-up, before SGLang is imported (the
-launcher is placed when SGLang imports its fused-MoE module). The package itself never places it:
-on an H200 the hooked call is slower with it (docs/lora_moe_floor.md); run.sh's "fused" server is
-there to show it right in a real server, against the fp32 reference, and to time it."""
+(:mod:`sglang_lora_tma_guard.fused_lora`) for every batch it covers (``activate(everywhere=True)``) in every
+Python process of the server that finds this folder on its path (launcher, tokenizer, scheduler), at
+start-up, before SGLang is imported (the launcher is placed when SGLang imports its fused-MoE module).
+``=fast`` places it too, but takes only the batches it is measured faster on (block-fp8 experts, large
+batches, ranks up to 32: ``fused_lora.FASTER_FROM_ROUTES``); this server takes it for every batch, over the
+campaign's 16-bit experts and rank-64 adapter as well, to show it right in a real server against the fp32
+reference, and to time it."""
 
 try:
     from sglang_lora_tma_guard import fused_lora
 
+    place = fused_lora.activate
+    # =fast places it again when the plugin loads (lora_path.activate), by then with the policy: every batch.
+    fused_lora.activate = lambda everywhere=False: place(everywhere=True)
     fused_lora.activate()
 except Exception as error:  # a server without it is the fast one: say so, loudly
     print(f"fused_site: the fused down LoRA GEMM is NOT placed: {type(error).__name__}: {error}", flush=True)
