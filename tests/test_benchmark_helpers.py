@@ -367,6 +367,39 @@ def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tm
         assert ref.score(r["prompt"], r["output"])["bad"] == 0
 
 
+def test_the_fp8_checkpoint_is_sglangs_block_fp8_and_its_reference_the_exact_dequantized_weights(tmp_path):
+    """``make_model --fp8``: the checkpoint of the fp8 server campaign (``FP8=1 benchmarks/fast_lora/run.sh``)
+    holds every projection as e4m3 with one power-of-two ``weight_scale_inv`` a 128 x 128 block, under a
+    ``quantization_config`` SGLang's own ``Fp8Config`` reads as block fp8; the reference checkpoint holds the
+    same weights dequantized, bit for bit in bf16, and every other tensor as the fp8 one does."""
+    from safetensors.torch import load_file
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    model, lora, ref = tmp_path / "model", tmp_path / "lora", tmp_path / "ref"
+    made = subprocess.run([sys.executable, "-m", "benchmarks.fast_lora.make_model", str(model), str(lora),
+                           "--layers", "1", "--tiny", "--ranks", "8", "16", "16", "16", "--fp8", str(ref)],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=120)
+    assert made.returncode == 0, made.stderr
+    config = json.loads((model / "config.json").read_text())
+    assert "quantization_config" not in json.loads((ref / "config.json").read_text())
+    fp8 = Fp8Config.from_config(config["quantization_config"])
+    assert fp8.is_checkpoint_fp8_serialized and fp8.weight_block_size == [128, 128]
+    served, reference = load_file(str(model / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    projections = [name for name in reference if name.endswith("_proj.weight")]
+    assert len(projections) == 4 + 3 * config["num_experts"]
+    for name in projections:
+        q, scale = served[name], served[name.removesuffix("weight") + "weight_scale_inv"]
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == (-(-q.shape[0] // 128), -(-q.shape[1] // 128))
+        assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)  # powers of two
+        full = scale.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)[:, :q.shape[1]]
+        assert torch.equal(q.float() * full, reference[name].float())  # exact in bf16
+    assert {n for n in served if not n.endswith(("_proj.weight", "weight_scale_inv"))} == set(reference) - set(projections)
+    for name in set(reference) - set(projections):
+        assert torch.equal(served[name], reference[name]), name
+    assert json.loads((lora / "a4" / "adapter_config.json").read_text())["r"] == 16
+
+
 def test_the_launch_key_timing_runs_both_keys_on_a_real_expand_s_arguments(capsys):
     from benchmarks import launch_key_time
 

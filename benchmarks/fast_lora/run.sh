@@ -16,15 +16,27 @@
 # only, more waves, one file per server as names may repeat): which of the client's steps each
 # server takes; PROFILE_STACK=0: the profile's traces without Python stacks. The runs are kept on the
 # machine too ($E2E/runs-L$LAYERS), so "score" may come in a later call than the servers.
+# FP8=1: the model's projections in block fp8 (make_model.py --fp8, experts as Qwen3-30B-A3B-FP8 holds
+# them), adapters of ranks 8/16/16/16 (--max-lora-rank 16), scored against the bf16 checkpoint of the same
+# dequantized weights: the batches where =fast takes the fused down GEMM (block-fp8 experts, rank <= 16,
+# prefill steps of 2048 tokens or more).
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 source benchmarks/serving/server.sh
 export OUT="${OUT:-results}"; mkdir -p "$OUT"
-layers="${LAYERS:-3}" suffix=
+layers="${LAYERS:-3}" suffix= ranks=(8 16 32 64) fp8=()
 [ "$layers" = 3 ] || suffix="-L$layers"
-model="$E2E/q3-model$suffix" lora="$E2E/q3-lora$suffix" keep="$E2E/runs-L$layers"
+keep="$E2E/runs-L$layers"
+if [ "${FP8:-0}" = 1 ]; then
+  suffix="$suffix-fp8" ranks=(8 16 16 16) keep="$keep-fp8"
+  fp8=(--fp8 "$E2E/q3-ref$suffix")
+fi
+model="$E2E/q3-model$suffix" lora="$E2E/q3-lora$suffix"
+reference="${fp8[1]:-$model}"  # what the servers' tokens are scored against
+max_rank=$(printf '%s\n' "${ranks[@]}" | sort -n | tail -1)
 mkdir -p "$keep"
-[ -f "$model/model.safetensors" ] || python3 -m benchmarks.fast_lora.make_model "$model" "$lora" --layers "$layers"
+[ -f "$model/model.safetensors" ] || python3 -m benchmarks.fast_lora.make_model "$model" "$lora" --layers "$layers" \
+  --ranks "${ranks[@]}" "${fp8[@]}"
 
 serve() {  # NAME PORT GUARD_VALUE LORA(yes|no) [VAR=VALUE ...]
   local name="$1" port="$2" guard="$3" use_lora="$4" log="$OUT/server-$1.log" tag=
@@ -33,7 +45,7 @@ serve() {  # NAME PORT GUARD_VALUE LORA(yes|no) [VAR=VALUE ...]
   if [ "$use_lora" = yes ]; then
     tag=lora
     lora_args=(--enable-lora --lora-paths a1="$lora/a1" a2="$lora/a2" a3="$lora/a3" a4="$lora/a4"
-               --max-loras-per-batch 5 --max-lora-rank 64)
+               --max-loras-per-batch 5 --max-lora-rank "$max_rank")
   fi
   if start_server "$log" "$port" 200 SGLANG_LORA_TMA_GUARD="$guard" "$@" -- --model-path "$model" --skip-tokenizer-init \
       "${lora_args[@]}" --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
@@ -72,7 +84,7 @@ for name in "${names[@]}"; do
     score)
       runs=()
       for run in "$keep"/run-*.json; do [ "$run" = "$keep/run-free.json" ] || runs+=("$run"); done  # free: wrong by design
-      python3 -m benchmarks.serving.reference "$model" "$lora" "${runs[@]}" --out "$OUT/verdict-reference.txt"
+      python3 -m benchmarks.serving.reference "$reference" "$lora" "${runs[@]}" --out "$OUT/verdict-reference.txt"
       if [ -f "$keep/run-default.json" ] && [ -f "$keep/run-fast.json" ]; then
         python3 -m benchmarks.fast_lora.client compare "$keep/run-default.json" "$keep/run-fast.json" > "$OUT/verdict.json"
         head -8 "$OUT/verdict.json"
