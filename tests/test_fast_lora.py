@@ -308,13 +308,17 @@ def test_the_tensors_the_second_stream_reads_live_until_the_gate_up_hook_waits_f
 
 
 @pytest.mark.slow  # the fast path's own kernels are the same whatever the base; a second base is for CI
-def test_fast_and_fused_calls_are_right_on_16_bit_experts_in_sglangs_runner(sglang_plugins, runners, monkeypatch):
+@pytest.mark.parametrize("name, changes", [("mixed-ranks-top2", {"intermediate": 96}), ("odd-widths", {})],
+                         ids=["mixed-ranks-top2", "odd-widths"])
+def test_fast_and_fused_calls_are_right_on_16_bit_experts_in_sglangs_runner(sglang_plugins, runners, monkeypatch,
+                                                                            name, changes):
     """fp16 experts (SGLang's un-quantized Triton path, what ``--base bf16`` of the LoRA MoE benchmarks runs,
-    and the only one for widths no 128 divides): the fast hooked call in SGLang's runner, and with the fused
-    down launch (its 16-bit GEMM, taken), each right against the float32 reference MoE on the same weights."""
+    and the only one for widths no 128 divides, so the fused launch's case of odd widths, which block fp8
+    cannot take, is taken here): the fast hooked call in SGLang's runner, and with the fused down launch (its
+    16-bit GEMM, taken), each right against the float32 reference MoE on the same weights."""
     from sglang_lora_tma_guard import fused_lora
 
-    problem, info = make_case("mixed-ranks-top2", seed=1, base_dtype=torch.float16, intermediate=96)
+    problem, info = make_case(name, seed=1, base_dtype=torch.float16, **changes)
     assert not problem.block_fp8 and tiny_moe.sequence_kwargs(problem, None)["block_shape"] is None
     taken = []
     run = fused_lora.DownWork.run
@@ -329,7 +333,7 @@ def test_fast_and_fused_calls_are_right_on_16_bit_experts_in_sglangs_runner(sgla
         fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
     finally:
         fused_lora.deactivate()
-    assert taken == [(TOKENS, CASES["mixed-ranks-top2"].topk, problem.w2.shape[1])]  # the 16-bit GEMM ran
+    assert taken == [(TOKENS, CASES[name].topk, problem.w2.shape[1])]  # the 16-bit GEMM ran
     for output in (fast, fused):
         assert tiny_moe.rel_err(output, reference) < 1e-2
     assert tiny_moe.rel_err(fast, expected_moe(problem, None)) > 0.05  # the adapters do change the output
@@ -369,8 +373,8 @@ def test_the_fused_down_launch_orders_sglangs_route_list_by_adapter(sglang_plugi
     assert not torch.equal(walked[0][:used], given[0][:used])
 
 
-# The tiny MoE is gated, and SGLang's block-fp8 quantizer takes no partial K group: odd widths and an
-# un-gated gate-up are the kernel's own test (tests/test_fused_lora.py) and the hooks' test above.
+# The tiny MoE is gated, and SGLang's block-fp8 quantizer takes no partial K group: an un-gated gate-up is the
+# kernel's own test (tests/test_fused_lora.py) and the hooks' test above; odd widths run over 16-bit experts above.
 @pytest.mark.slow  # =fast takes the fused down launch only for large batches: out of the default run
 @pytest.mark.parametrize("name", [p for p in case_params() if p.values[0] not in ("ungated", "odd-widths")])
 def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, runners, name, monkeypatch):
