@@ -134,6 +134,14 @@ class LoRABatch:
     cache3: torch.Tensor
 
 
+def sglang_route_list(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """``sorted_token_ids, expert_ids, num_tokens_post_padded`` of SGLang's own ``moe_align_block_size`` (its GPU
+    kernel, which places each route by an atomic add on its expert's count)."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size import moe_align_block_size
+
+    return moe_align_block_size(topk_ids, block_m, num_experts)
+
+
 def lora_batch(shape: dict, ranks_name: str, tokens: int, weights, route_list: str = "sglang") -> LoRABatch:
     """``route_list``: ``sglang``, the route list of SGLang's own ``moe_align_block_size`` (its GPU kernel, as a
     server has it: each expert's routes in the order its atomics took them), or ``stable`` (``tiny_moe``'s: each
@@ -145,10 +153,7 @@ def lora_batch(shape: dict, ranks_name: str, tokens: int, weights, route_list: s
     problem = tiny_moe.make_problem(num_tokens=tokens, topk=shape["topk"], seed=tokens, device="cuda",
                                     dtype=torch.bfloat16, weights=weights, config=config, down_config=down_config)
     if route_list == "sglang":
-        from sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size import moe_align_block_size
-
-        problem.__dict__["alignment"] = moe_align_block_size(problem.topk_ids, config["BLOCK_SIZE_M"],
-                                                             problem.num_experts)
+        problem.__dict__["alignment"] = sglang_route_list(problem.topk_ids, config["BLOCK_SIZE_M"], problem.num_experts)
     else:
         assert route_list == "stable", route_list
     info = lora_info(problem, ranks_name, seed=tokens)

@@ -36,7 +36,7 @@ import sys
 import torch
 
 from benchmarks._bench import benchmark_parser, capture, replay_times
-from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
+from benchmarks._lora_setup import add_base_option, lora_batch, run_batches, sglang_route_list
 from harness import tables
 
 TOKENS = [1024, 4096, 8192]
@@ -66,15 +66,6 @@ def segment_alignment(topk_ids: torch.Tensor, groups: torch.Tensor, block_m: int
     return mapped.to(torch.int32), expert_ids, post
 
 
-def sglang_alignment(topk_ids, block_m: int, num_experts: int):
-    """The route list of SGLang's own ``moe_align_block_size`` (its GPU kernel: each expert's routes in the
-    order its atomics took them)."""
-    from sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size import moe_align_block_size
-
-    sorted_ids, expert_ids, post = moe_align_block_size(topk_ids, block_m, num_experts)
-    return sorted_ids, expert_ids, post
-
-
 def adapters_per_block(alignment, slots, topk: int, block_m: int) -> float:
     """Distinct adapter slots (tokens of the base model left out) a used block's routes hold, on average."""
     sorted_ids, expert_ids, post = alignment
@@ -97,7 +88,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     from harness.tiny_moe import FP8_BLOCK
     from sglang_lora_tma_guard import lora_moe, lora_path, moe_gemm, tuning
 
-    batch = lora_batch(shape, ranks_name, tokens, weights, route_list="stable")  # SGLang's own: rows of their own
+    # The token-order list; SGLang's own list has rows of its own.
+    batch = lora_batch(shape, ranks_name, tokens, weights, route_list="stable")
     problem, info, use_tma, act, c3 = batch.problem, batch.info, batch.use_tma, batch.act, batch.cache3
     ids, w, cfg = problem.topk_ids, problem.topk_weights, dict(problem.down_config)
     assert problem.block_fp8, "the down GEMM rows compare block-fp8 GEMMs"
@@ -121,7 +113,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     base_tile = moe_gemm.tile(cfg, block_m, FP8_BLOCK[1])
 
     shuffled = tiny_moe.shuffle_runs(problem.alignment, block_m)
-    real = sglang_alignment(ids, block_m, experts)
+    real = sglang_route_list(ids, block_m, experts)
     num_slots = ranks.numel()
     ordered = (moe_gemm.order_by_adapter(real[0], real[1], real[2], slots, topk, block_m, num_slots), *real[1:])
     print(f"adapters a block (with a delta), {ranks_name} {tokens} tokens: "
@@ -139,6 +131,11 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
                           scale_block_n=FP8_BLOCK[0], topk=topk, lora=epilogue, weights_by_tma=tma,
                           n_tiles=n_tiles)
 
+    def sglang(sorted_ids):  # SGLang's launcher for the down GEMM over a route list of these blocks
+        launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, sorted_ids, expert_ids, post, True, 1,
+               cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True, use_int8_w8a8=False, use_int8_w8a16=False,
+               use_int4_w4a16=False, per_channel_quant=False, block_shape=list(FP8_BLOCK), b_use_tma=use_tma)
+
     def sglang_quantize():
         from sglang.kernels.ops.moe import fused_moe_triton_kernels as kernels  # as its launcher imports it
 
@@ -146,10 +143,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
 
     sorted_ids, expert_ids, post = problem.alignment
     parts = {
-        "sglang": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, sorted_ids,
-                                 expert_ids, post, True, 1, cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True,
-                                 use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
-                                 per_channel_quant=False, block_shape=list(FP8_BLOCK), b_use_tma=use_tma),
+        "sglang": lambda: sglang(sorted_ids),
         "sglang quantize": sglang_quantize,
         "quantize": lambda: moe_gemm.quantize_per_group(act, FP8_BLOCK[1])[0],
         "own": lambda: own(),
@@ -163,10 +157,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
         "own + LoRA, SGLang's blocks, TMA off": lambda: own(lora, tma=False),
         **{f"wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, n_tiles=n, **c)) for n, c in WIDE},
         "own + LoRA, segments": lambda: own(lora, blocks=segments),
-        "sglang, shuffled": lambda: launch(act, problem.w2, None, c3, None, problem.w2_scale, None, w, ids, shuffled[0],
-                                           expert_ids, post, True, 1, cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True,
-                                           use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
-                                           per_channel_quant=False, block_shape=list(FP8_BLOCK), b_use_tma=use_tma),
+        "sglang, shuffled": lambda: sglang(shuffled[0]),
         **{f"SGLang's list: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=real, n_tiles=n, **c))
            for n, c in WIDE[1:4]},
         "order by adapter": lambda: moe_gemm.order_by_adapter(real[0], real[1], real[2], slots, topk, block_m,
