@@ -116,9 +116,8 @@ def test_the_epilogue_adds_each_routes_own_adapter_delta(fp8, shared_outer, tma,
     assert float((base_only - expected).abs().max() / expected.abs().max()) > 50 * TOLERANCE
 
 
-def order_by_adapter(route_list, block_m: int):
+def order_by_adapter(route_list, block_m: int, token_lora):
     sorted_ids, expert_ids, post_padded = route_list
-    token_lora = make(8, 8, False, False)[0]["lora"].token_lora
     return (moe_gemm.order_by_adapter(sorted_ids, expert_ids, post_padded, token_lora, TOPK, block_m, len(RANKS)),
             expert_ids, post_padded)
 
@@ -130,7 +129,7 @@ def test_order_by_adapter_orders_each_experts_routes_by_slot_and_moves_none_out_
     inputs = make(8, 8, False, False)[0]
     token_lora, block_m = inputs["lora"].token_lora, 4
     given = shuffle_runs(align_block_size(inputs["topk_ids"], block_m, EXPERTS), block_m)
-    ordered, expert_ids, post_padded = order_by_adapter(given, block_m)
+    ordered, expert_ids, post_padded = order_by_adapter(given, block_m, token_lora)
     used, routes = int(post_padded), TOKENS * TOPK
     run_of = given[1].long().repeat_interleave(block_m)[:used]
     changed = 0
@@ -148,7 +147,9 @@ def test_order_by_adapter_orders_each_experts_routes_by_slot_and_moves_none_out_
 def test_the_wide_epilogue_is_right_over_a_shuffled_list_and_over_it_ordered_by_adapter(fp8):
     n, k = (200, 72) if not fp8 else (72, 200)
     inputs, expected = make(n, k, fp8, False)
-    for order in (shuffle_runs, lambda route_list, block_m: order_by_adapter(shuffle_runs(route_list, block_m), block_m)):
+    token_lora = inputs["lora"].token_lora
+    for order in (shuffle_runs, lambda route_list, block_m: order_by_adapter(shuffle_runs(route_list, block_m),
+                                                                             block_m, token_lora)):
         out = run(inputs, n, 16, 32, 32, fp8, n_tiles=3, order=order).float()
         assert not out.isnan().any()
         assert float((out - expected).abs().max() / expected.abs().max()) < TOLERANCE
