@@ -24,7 +24,7 @@ set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 source benchmarks/serving/server.sh
 export OUT="${OUT:-results}"; mkdir -p "$OUT"
-layers="${LAYERS:-3}" suffix= ranks=(8 16 32 64) fp8=()
+layers="${LAYERS:-3}" suffix='' ranks=(8 16 32 64) fp8=()
 [ "$layers" = 3 ] || suffix="-L$layers"
 keep="$E2E/runs-L$layers"
 if [ "${FP8:-0}" = 1 ]; then
