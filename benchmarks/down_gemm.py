@@ -18,7 +18,7 @@ among them and the base model), CUDA-graph replays, best of 5 x 50, interleaved.
 - ``wide + LoRA ...``: the wide kernel with the expand in its epilogue, over SGLang's route list;
 - ``own + LoRA, SGLang's blocks`` / ``..., segments``: the GEMM with the expand in its epilogue, over
   SGLang's route list (rows of any adapter in any order), over the same blocks with each expert's rows
-  ordered by adapter (one sort key more, no padding per adapter);
+  ordered by adapter (``moe_gemm.order_by_adapter``: no padding per adapter);
 - ``... shuffled``: over the route list with each expert's routes in random order (the benchmark's own list
   keeps them in token order, so each block holds runs of one adapter; a list made by atomics need not);
   ``SGLang's list``: over the list of SGLang's own ``moe_align_block_size`` (its GPU kernel), and ``... ordered``
@@ -49,21 +49,6 @@ SHUFFLED = [(16, {"num_stages": 2}), (32, {"BLOCK_N": 64, "num_stages": 2})]
 
 def label(n_tiles: int, change: dict) -> str:
     return ", ".join([f"N_TILES={n_tiles}", *(f"{k}={v}" for k, v in change.items())])
-
-
-def segment_alignment(topk_ids: torch.Tensor, groups: torch.Tensor, block_m: int, num_experts: int):
-    """SGLang's route list (``tiny_moe.align_block_size``: each expert's routes padded to ``block_m``) with
-    each expert's routes ordered by ``groups`` (one small int a route): adapters as contiguous segments."""
-    from sglang_lora_tma_guard.tiny_moe import align_block_size
-
-    flat = topk_ids.flatten().long()
-    # Sorting by (expert, group) and renumbering keeps align_block_size's per-expert padding: feed it the
-    # experts in that order through a permutation of the routes.
-    order = torch.argsort(flat * (int(groups.max()) + 1) + groups.long(), stable=True)
-    sorted_ids, expert_ids, post = align_block_size(flat[order].view(-1, 1), block_m, num_experts)
-    mapped = torch.where(sorted_ids < flat.numel(), order.to(torch.int32)[sorted_ids.clamp(max=flat.numel() - 1).long()],
-                         sorted_ids)
-    return mapped.to(torch.int32), expert_ids, post
 
 
 def adapters_per_block(alignment, slots, topk: int, block_m: int) -> float:
@@ -103,19 +88,15 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     q, q_scale = moe_gemm.quantize_per_group(act, FP8_BLOCK[1])
     lora = moe_gemm.LoRAEpilogue(t_dn, db, slots, enabled, ranks, db.shape[1], r)
     experts, block_m = problem.w2.shape[0], cfg["BLOCK_SIZE_M"]
-    per_route_slot = slots.long().repeat_interleave(topk)
-    has = (per_route_slot >= 0) & (enabled.long()[per_route_slot.clamp(min=0)] != 0) & (
-        ranks.long()[per_route_slot.clamp(min=0)] > 0)
-    groups = torch.where(has, per_route_slot + 1, 0)
     lists = {block_m: problem.alignment}
-    segments = segment_alignment(ids, groups, block_m, experts)
+    num_slots = ranks.numel()
+    segments = (moe_gemm.order_by_adapter(*problem.alignment, slots, topk, block_m, num_slots), *problem.alignment[1:])
     launch = inspect.unwrap(fused_moe.invoke_fused_moe_kernel)
     base_tile = moe_gemm.tile(cfg, block_m, FP8_BLOCK[1])
 
     shuffled = tiny_moe.shuffle_runs(problem.alignment, block_m)
     real = sglang_route_list(ids, block_m, experts)
-    num_slots = ranks.numel()
-    ordered = (moe_gemm.order_by_adapter(real[0], real[1], real[2], slots, topk, block_m, num_slots), *real[1:])
+    ordered = (moe_gemm.order_by_adapter(*real, slots, topk, block_m, num_slots), *real[1:])
     print(f"adapters a block (with a delta), {ranks_name} {tokens} tokens: "
           f"stable list {adapters_per_block(problem.alignment, slots, topk, block_m):.2f}, "
           f"SGLang's moe_align_block_size {adapters_per_block(real, slots, topk, block_m):.2f}, "
@@ -160,8 +141,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
         "sglang, shuffled": lambda: sglang(shuffled[0]),
         **{f"SGLang's list: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=real, n_tiles=n, **c))
            for n, c in WIDE[1:4]},
-        "order by adapter": lambda: moe_gemm.order_by_adapter(real[0], real[1], real[2], slots, topk, block_m,
-                                                              num_slots),
+        "order by adapter": lambda: moe_gemm.order_by_adapter(*real, slots, topk, block_m, num_slots),
         **{f"SGLang's list ordered: wide + LoRA, {label(n, c)}": (
             lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in WIDE[1:4]},
         **{f"shuffled: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=shuffled, n_tiles=n, **c))
