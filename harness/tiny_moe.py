@@ -1,7 +1,7 @@
 """The tiny MoE layer of ``check --selftest`` (:mod:`sglang_lora_tma_guard.tiny_moe`, which ships), and
 what only the tests and the benchmarks do with it: new routes for a problem, a route list shuffled as a GPU's
-may be, a hooked call's arguments bound by name (as the fallback receives them), and the launch flags of the
-paths the guard avoids.
+may be (and the check of one ordered by adapter), a hooked call's arguments bound by name (as the fallback
+receives them), and the launch flags of the paths the guard avoids.
 """
 
 from __future__ import annotations
@@ -44,6 +44,23 @@ def shuffle_runs(route_list, block_m: int, seed: int = 0):
     shuffled = sorted_ids.clone()
     shuffled[:used] = sorted_ids[:used][torch.argsort(experts + noise.to(experts.device) / 2)]
     return shuffled, expert_ids, post_padded
+
+
+def assert_ordered_by_adapter(given, ordered: torch.Tensor, token_lora: torch.Tensor, topk: int, block_m: int,
+                              num_slots: int) -> int:
+    """Assert that ``ordered`` (sorted ids) holds ``given``'s route list (``sorted_ids, expert_ids,
+    num_post_padded``) with each expert's run of routes ordered by adapter slot (padding and tokens of no slot
+    last) and no route moved out of its run; return how many places changed."""
+    sorted_ids, expert_ids, post_padded = given
+    used, routes = int(post_padded), token_lora.numel() * topk
+    run_of = expert_ids[:used // block_m].long().repeat_interleave(block_m)
+    for expert in run_of.unique().tolist():
+        before, after = sorted_ids[:used][run_of == expert], ordered[:used][run_of == expert]
+        assert sorted(before.tolist()) == sorted(after.tolist()), expert
+        slot = torch.where(after < routes, token_lora.long()[after.clamp(max=routes - 1).long() // topk], -1)
+        key = torch.where((slot >= 0) & (slot < num_slots), slot, num_slots)
+        assert (key[1:] >= key[:-1]).all(), (expert, key)
+    return int((sorted_ids[:used] != ordered[:used]).sum())
 
 
 def reroute(problem: MoEProblem, topk_ids: torch.Tensor | None = None,

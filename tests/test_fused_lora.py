@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.tiny_moe import shuffle_runs
+from harness.tiny_moe import assert_ordered_by_adapter, shuffle_runs
 from sglang_lora_tma_guard import moe_gemm
 from sglang_lora_tma_guard.tiny_moe import align_block_size, quantize_block_fp8
 
@@ -129,17 +129,8 @@ def test_order_by_adapter_orders_each_experts_routes_by_slot_and_moves_none_out_
     inputs = make(8, 8, False, False)[0]
     token_lora, block_m = inputs["lora"].token_lora, 4
     given = shuffle_runs(align_block_size(inputs["topk_ids"], block_m, EXPERTS), block_m)
-    ordered, expert_ids, post_padded = order_by_adapter(given, block_m, token_lora)
-    used, routes = int(post_padded), TOKENS * TOPK
-    run_of = given[1].long().repeat_interleave(block_m)[:used]
-    changed = 0
-    for expert in run_of.unique().tolist():
-        before, after = given[0][:used][run_of == expert], ordered[:used][run_of == expert]
-        assert sorted(before.tolist()) == sorted(after.tolist()), expert
-        slot = torch.where(after < routes, token_lora[after.clamp(max=routes - 1).long() // TOPK], -1)
-        key = torch.where(slot >= 0, slot, len(RANKS))
-        assert (key[1:] >= key[:-1]).all(), (expert, key)
-        changed += int((before != after).sum())
+    ordered = order_by_adapter(given, block_m, token_lora)[0]
+    changed = assert_ordered_by_adapter(given, ordered, token_lora, TOPK, block_m, len(RANKS))
     assert changed > 0  # the shuffled list was not already in that order
 
 
