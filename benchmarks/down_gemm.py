@@ -19,6 +19,7 @@ among them and the base model), CUDA-graph replays, best of 5 x 50, interleaved.
 - ``own + LoRA, SGLang's blocks`` / ``..., segments``: the GEMM with the expand in its epilogue, over
   SGLang's route list (rows of any adapter in any order), over the same blocks with each expert's rows
   ordered by adapter (``moe_gemm.order_by_adapter``: no padding per adapter);
+- ``..., LATE_B=True``: the wide kernel with each adapter's B tile loaded just before its GEMM;
 - ``... shuffled``: over the route list with each expert's routes in random order (the benchmark's own list
   keeps them in token order, so each block holds runs of one adapter; a list made by atomics need not);
   ``SGLang's list``: over the list of SGLang's own ``moe_align_block_size`` (its GPU kernel), and ``... ordered``
@@ -31,6 +32,7 @@ Writes ``down_gemm.json`` / ``.md``.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -45,6 +47,12 @@ WIDE = [(16, {}), (16, {"num_stages": 2}), (8, {"num_stages": 2}), (32, {"BLOCK_
 """The wide GEMM's variants: column tiles a program, and changes to SGLang's tile."""
 SHUFFLED = [(16, {"num_stages": 2}), (32, {"BLOCK_N": 64, "num_stages": 2})]
 """The variants also timed over the route list with each expert's routes in random order."""
+LATE = [(16, {"num_stages": 2, "LATE_B": True}), (32, {"BLOCK_N": 64, "num_stages": 2, "LATE_B": True}),
+        (16, {"BLOCK_N": 64, "num_stages": 2, "LATE_B": True})]
+"""The variants timed with each adapter's B tile loaded just before its GEMM (``moe_gemm._lora_add_late``),
+over SGLang's list ordered by adapter (what the fused launch walks)."""
+SUMS = ("sglang", "hook", "quantize", "shrink")
+"""The parts the sums at the end need: always timed, whatever ``--parts`` says."""
 
 
 def label(n_tiles: int, change: dict) -> str:
@@ -63,7 +71,7 @@ def adapters_per_block(alignment, slots, topk: int, block_m: int) -> float:
     return float(one_hot[:, 1:].sum(1).mean())
 
 
-def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
+def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None) -> dict:
     import inspect
 
     import triton.language as tl
@@ -143,10 +151,12 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
            for n, c in WIDE[1:4]},
         "order by adapter": lambda: moe_gemm.order_by_adapter(*real, slots, topk, block_m, num_slots),
         **{f"SGLang's list ordered: wide + LoRA, {label(n, c)}": (
-            lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in WIDE[1:4]},
+            lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in WIDE[1:4] + LATE},
         **{f"shuffled: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=shuffled, n_tiles=n, **c))
            for n, c in SHUFFLED},
     }
+    if wanted:
+        parts = {p: fn for p, fn in parts.items() if p in SUMS or any(w in p for w in wanted)}
     graphs = {}
     with capture_mode():
         for part, fn in parts.items():
@@ -156,12 +166,23 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
                 print(f"{part}: {type(error).__name__}: {str(error)[:200]}", flush=True)
     times = replay_times(graphs)
     del graphs
+    late_equal = {}
+    for n, c in LATE:  # the same GEMMs in the same order: the same output, bit for bit
+        early = {k: v for k, v in c.items() if k != "LATE_B"}
+        if any(p.endswith(label(n, c)) for p in times) and any(p.endswith(label(n, early)) for p in times):
+            own(lora, blocks=ordered, n_tiles=n, **early)
+            before = c3.clone()
+            own(lora, blocks=ordered, n_tiles=n, **c)
+            late_equal[label(n, c)] = bool(torch.equal(before, c3))
+    print(f"LATE_B bit-identical to the same tile without it: {late_equal}", flush=True)
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "tile": base_tile, "use_tma": use_tma,
-           **{f"ms {p}": t for p, t in times.items()}}
+           "late bit-identical": late_equal, **{f"ms {p}": t for p, t in times.items()}}
     row["ms fast"] = times["sglang"] + times["hook"]
-    wide = [p for p in times if p.startswith("wide + LoRA")]
-    row["best wide + LoRA"] = min(wide, key=times.get) if wide else None
-    row["ms fused"] = times["quantize"] + times["shrink"] + min(times[p] for p in wide or ["own + LoRA, SGLang's blocks"])
+    for kind, prefix in (("", "wide + LoRA"), (" ordered", "SGLang's list ordered: wide + LoRA")):
+        wide = [p for p in times if p.startswith(prefix)]
+        row[f"best{kind} wide + LoRA"] = min(wide, key=times.get) if wide else None
+        if wide:
+            row[f"ms fused{kind}"] = times["quantize"] + times["shrink"] + min(times[p] for p in wide)
     return row
 
 
@@ -178,6 +199,9 @@ def markdown(rows, meta) -> str:
         "SGLang's tile: " + "; ".join(f"{r['tokens']} tokens {r['tile']}, TMA {r['use_tma']}" for r in rows),
         "",
         "Best wide + LoRA: " + "; ".join(f"{r['ranks']} {r['tokens']}: {r['best wide + LoRA']}" for r in rows),
+        "",
+        "Best over SGLang's list ordered: " + "; ".join(
+            f"{r['ranks']} {r['tokens']}: {r['best ordered wide + LoRA']}" for r in rows),
     ]) + "\n"
 
 
@@ -185,7 +209,9 @@ def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, TOKENS)
     add_base_option(parser)
     parser.add_argument("--rank-sets", nargs="+", default=["mixed"], help="mixed, or rN (four adapters of rank N)")
-    return run_batches(parser.parse_args(argv), "down_gemm", measure, markdown)
+    parser.add_argument("--parts", nargs="+", help="time only the rows whose name holds one of these (and the sums' parts)")
+    args = parser.parse_args(argv)
+    return run_batches(args, "down_gemm", functools.partial(measure, wanted=args.parts), markdown)
 
 
 if __name__ == "__main__":
