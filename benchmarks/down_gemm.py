@@ -19,7 +19,6 @@ among them and the base model), CUDA-graph replays, best of 5 x 50, interleaved.
 - ``own + LoRA, SGLang's blocks`` / ``..., segments``: the GEMM with the expand in its epilogue, over
   SGLang's route list (rows of any adapter in any order), over the same blocks with each expert's rows
   ordered by adapter (``moe_gemm.order_by_adapter``: no padding per adapter);
-- ``..., LATE_B=True``: the wide kernel with each adapter's B tile loaded just before its GEMM;
 - ``... shuffled``: over the route list with each expert's routes in random order (the benchmark's own list
   keeps them in token order, so each block holds runs of one adapter; a list made by atomics need not);
   ``SGLang's list``: over the list of SGLang's own ``moe_align_block_size`` (its GPU kernel), and ``... ordered``
@@ -43,14 +42,14 @@ from harness import tables
 
 TOKENS = [1024, 4096, 8192]
 WIDE = [(16, {}), (16, {"num_stages": 2}), (8, {"num_stages": 2}), (32, {"BLOCK_N": 64, "num_stages": 2}),
+        (16, {"BLOCK_N": 64, "num_stages": 2}), (16, {"num_stages": 1}),
         (32, {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8}), (16, {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8})]
 """The wide GEMM's variants: column tiles a program, and changes to SGLang's tile."""
 SHUFFLED = [(16, {"num_stages": 2}), (32, {"BLOCK_N": 64, "num_stages": 2})]
 """The variants also timed over the route list with each expert's routes in random order."""
-LATE = [(16, {"num_stages": 2, "LATE_B": True}), (32, {"BLOCK_N": 64, "num_stages": 2, "LATE_B": True}),
-        (16, {"BLOCK_N": 64, "num_stages": 2, "LATE_B": True})]
-"""The variants timed with each adapter's B tile loaded just before its GEMM (``moe_gemm._lora_add_late``),
-over SGLang's list ordered by adapter (what the fused launch walks)."""
+ORDERED = WIDE[1:6]
+"""The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks);
+one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared memory."""
 SUMS = ("sglang", "hook", "quantize", "shrink")
 """The parts the sums at the end need: always timed, whatever ``--parts`` says."""
 
@@ -148,10 +147,10 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
         "own + LoRA, segments": lambda: own(lora, blocks=segments),
         "sglang, shuffled": lambda: sglang(shuffled[0]),
         **{f"SGLang's list: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=real, n_tiles=n, **c))
-           for n, c in WIDE[1:4]},
+           for n, c in ORDERED},
         "order by adapter": lambda: moe_gemm.order_by_adapter(*real, slots, topk, block_m, num_slots),
         **{f"SGLang's list ordered: wide + LoRA, {label(n, c)}": (
-            lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in WIDE[1:4] + LATE},
+            lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in ORDERED},
         **{f"shuffled: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=shuffled, n_tiles=n, **c))
            for n, c in SHUFFLED},
     }
@@ -166,17 +165,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
                 print(f"{part}: {type(error).__name__}: {str(error)[:200]}", flush=True)
     times = replay_times(graphs)
     del graphs
-    late_equal = {}
-    for n, c in LATE:  # the same GEMMs in the same order: the same output, bit for bit
-        early = {k: v for k, v in c.items() if k != "LATE_B"}
-        if any(p.endswith(label(n, c)) for p in times) and any(p.endswith(label(n, early)) for p in times):
-            own(lora, blocks=ordered, n_tiles=n, **early)
-            before = c3.clone()
-            own(lora, blocks=ordered, n_tiles=n, **c)
-            late_equal[label(n, c)] = bool(torch.equal(before, c3))
-    print(f"LATE_B bit-identical to the same tile without it: {late_equal}", flush=True)
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "tile": base_tile, "use_tma": use_tma,
-           "late bit-identical": late_equal, **{f"ms {p}": t for p, t in times.items()}}
+           **{f"ms {p}": t for p, t in times.items()}}
     row["ms fast"] = times["sglang"] + times["hook"]
     for kind, prefix in (("", "wide + LoRA"), (" ordered", "SGLang's list ordered: wide + LoRA")):
         wide = [p for p in times if p.startswith(prefix)]

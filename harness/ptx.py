@@ -119,7 +119,7 @@ def fused_down(**meta) -> dict:
                     constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr"), num_stages=3)
 
 
-def wide_down(**meta) -> dict:
+def wide_down(num_warps: int = 4, num_stages: int = 2, **meta) -> dict:
     """The wide down GEMM with the LoRA epilogue as ``=fast`` launches it (``fused_lora.WIDE_TILES``):
     block-fp8 weights by plain loads, SGLang's route list, the GLM-5.1 TP8 down GEMM (K 256: two tiles), rank
     16 unless ``meta`` says otherwise."""
@@ -133,7 +133,29 @@ def wide_down(**meta) -> dict:
     return compiled(moe_gemm._moe_gemm_wide_kernel,
                     types={"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "t_ptr": "*fp32", "topk_weights_ptr": "*fp32",
                            "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", **dict.fromkeys(int32, "*i32")},
-                    constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr"), num_stages=2)
+                    constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr"),
+                    num_warps=num_warps, num_stages=num_stages)
+
+
+HOPPER_SHARED_BYTES = 232448
+"""Shared memory a program may use on an H100 or H200 (``shared_memory_per_block_optin``)."""
+
+
+def wide_down_as_placed(k: int, max_rank: int, block_m: int = 64) -> dict:
+    """The wide down GEMM at the tile ``fused_lora.wide_tile`` picks on an H100/H200 from a tuned block-fp8
+    config of SGLang's (``BLOCK_SIZE_M`` ``block_m``, 128-wide columns) for a down GEMM of K ``k`` (a shard's
+    intermediate width) and adapters up to ``max_rank``: the compiled kernel, with ``estimate``
+    (``moe_gemm.wide_shared_bytes``) and the ``tile``."""
+    from sglang_lora_tma_guard import fused_lora, moe_gemm
+
+    config = {"BLOCK_SIZE_M": block_m, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
+              "num_stages": 3}
+    tile, n_tiles = fused_lora.wide_tile(config, 128, k, max_rank, 1, HOPPER_SHARED_BYTES)
+    k_tiles = moe_gemm.cdiv(k, 128)
+    built = wide_down(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_R=max(16, 1 << (max_rank - 1).bit_length()),
+                      K_TILES=k_tiles, N_TILES=n_tiles, EVEN_K=k % 128 == 0, num_warps=tile["num_warps"],
+                      num_stages=tile["num_stages"])
+    return {**built, "estimate": moe_gemm.wide_shared_bytes(tile, k_tiles, max_rank, 1), "tile": tile}
 
 
 CONFIGURATIONS = {
@@ -147,7 +169,12 @@ CONFIGURATIONS = {
     "fused down GEMM": lambda: fused_down(),
     "fused down GEMM, exact rank masks": lambda: fused_down(RANK_GRANULE=1),
     "wide fused down GEMM, rank 16": lambda: wide_down(),
-    "wide fused down GEMM, rank 64": lambda: wide_down(BLOCK_N=64, N_TILES=32, BLOCK_R=64),
+    "wide fused down GEMM, rank 64": lambda: wide_down(BLOCK_N=64, N_TILES=16, BLOCK_R=64),
+    # As placed on an H100/H200 for SGLang's block-fp8 down GEMMs: GLM-5.1 TP8 (K 256), Qwen3-30B-A3B at tp 1, 2, 4
+    # (K 768, 384, 192), at ranks 16, 32 and 64, with SGLang's BLOCK_SIZE_M of 64 (128 for the longest K too).
+    **{f"wide fused down GEMM placed, K {k}, rank {r}, BLOCK_M {m}": (lambda k=k, r=r, m=m: wide_down_as_placed(k, r, m))
+       for k, r, m in ((256, 16, 64), (256, 32, 64), (256, 64, 64), (768, 16, 64), (768, 32, 128), (768, 64, 64),
+                       (384, 16, 64), (384, 64, 128), (192, 32, 64))},
     # The other tuned decode tiles of Qwen3-30B-A3B tp 1 (512 pairs; "rank tiles of 16" is the gate-up expand's).
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
                                          num_warps=4),

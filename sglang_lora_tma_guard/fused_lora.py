@@ -37,10 +37,13 @@ MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 NAME = "invoke_fused_moe_kernel"
 MAX_RANK = 64
 """Above this rank the epilogue's tiles would not fit in registers: the hooks' expand runs instead."""
-WIDE_TILES = ((16, 16, {"num_stages": 2}), (MAX_RANK, 32, {"BLOCK_N": 64, "num_stages": 2}))
+WIDE_TILES = ((32, 16, {"num_stages": 2}), (MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2}))
 """The wide down GEMM's tile by the adapters' max rank: (up to that rank, column tiles a program, changes to
-SGLang's tile), the fastest variants on the GLM-5.1 TP8 down GEMM (``benchmarks/down_gemm.py``): past rank
-16 the epilogue's tiles need the narrower columns to stay in registers."""
+SGLang's tile), the fastest variants on the GLM-5.1 TP8 down GEMM (``benchmarks/down_gemm.py``,
+``benchmarks/results/lora_moe/late-b/``): with each adapter's B tile loaded just before its GEMM, SGLang's
+128-wide columns up to rank 32; past it the epilogue's tiles crowd the accumulator's registers, 64-wide columns.
+Where two pipeline stages of the column loop would not fit the GPU's shared memory (a long K: Qwen3-30B-A3B's
+768 at tp 1 is six K tiles), one (:func:`wide_tile`)."""
 FASTER_FROM_ROUTES = ((8, 32768), (16, 16384), (32, 65536))
 """Where ``=fast`` takes the fused down launch: (up to that max rank, from that many routes), block-fp8
 experts; none past rank 32. Measured on an H200 (``benchmarks/down_gemm.py``, the GLM-5.1 TP8 down GEMM;
@@ -49,6 +52,9 @@ rank 16 0.29 / 0.27 at 1024 tokens, 0.37 / 0.40 at 2048, 0.49 / 0.62 at 4096, 0.
 8 routes a token); rank 8 0.42 / 0.39 at 2048, 0.56 / 0.64 at 4096; rank 32 0.79 / 0.72 at 4096, 1.08 /
 1.27 at 8192; ranks up to 64 slower at every size (1.34 / 1.23 at 8192)."""
 _everywhere = False
+_failed: dict[tuple, str] = {}
+"""Down GEMMs (:meth:`DownWork.key`) whose fused launch raised in this process, and why: refused from then on
+(logged once), not tried again at every call."""
 
 # Launcher parameters the fused down GEMM reads, and the ones that may hold any value because they
 # change nothing it computes: b_use_tma (the weights by TMA here too), filter_expert (expert -1
@@ -86,6 +92,10 @@ class DownWork:
         done, self.done = self.done, None
         return done is not None and done is cache3
 
+    def key(self, a: dict) -> tuple:
+        """What a fused launch compiles for: the weights' shape and dtypes, SGLang's tile, the max rank."""
+        return (tuple(a["B"].shape), a["B"].dtype, a["A"].dtype, tuple(sorted(a["config"].items())), self.max_rank)
+
     def refusal(self, a: dict) -> str | None:
         """Why this launch is not this batch's down GEMM in a covered form, or None."""
         import torch
@@ -117,7 +127,8 @@ class DownWork:
             return f"LoRA rank {self.max_rank} (the fused epilogue takes up to {MAX_RANK})"
         if not _everywhere and not a["use_fp8_w8a8"]:
             return "16-bit experts (the fused down GEMM is measured faster over block-fp8 experts only)"
-        return None
+        failed = _failed.get(self.key(a))
+        return f"its fused launch failed here before ({failed})" if failed else None
 
     def run(self, a: dict) -> None:
         """The down shrink, then the down GEMM with the expand in its epilogue, into ``C``.
@@ -137,7 +148,8 @@ class DownWork:
         fp8 = bool(a["use_fp8_w8a8"])
         group_n, group_k = a["block_shape"] if fp8 else (1, None)
         x, x_scale = quantize_per_group(A, group_k) if fp8 else (A, None)
-        gemm_tile, n_tiles = wide_tile(a["config"], group_k, A.shape[1], self.max_rank)
+        gemm_tile, n_tiles = wide_tile(a["config"], group_k, A.shape[1], self.max_rank, B.element_size(),
+                                       _shared_bytes(C.device))
         # SGLang's list holds each expert's routes in the order its atomics took them: about every adapter in
         # every block, each adding a GEMM to the block's epilogue. Ordered, a block holds one or two.
         sorted_ids = order_by_adapter(a["sorted_token_ids"], a["expert_ids"], a["num_tokens_post_padded"],
@@ -153,16 +165,30 @@ class DownWork:
         self.done = C
 
 
-def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int) -> tuple[dict, int]:
+def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_bytes: int = 1,
+              shared_bytes: int | None = None) -> tuple[dict, int]:
     """The down GEMM's tile from SGLang's ``config`` and its column tiles a program: :data:`WIDE_TILES`' for
-    ``max_rank`` where the wide kernel takes K (``k`` in at most ``WIDE_K_TILES`` tiles), else SGLang's and 0."""
-    from .moe_gemm import WIDE_K_TILES, tile
+    ``max_rank`` where the wide kernel takes K (``k`` in at most ``WIDE_K_TILES`` tiles), else SGLang's and 0.
+    ``shared_bytes``: what a program may use on the GPU; one pipeline stage where two would not fit (weights of
+    ``weight_bytes`` an element)."""
+    from .moe_gemm import WIDE_K_TILES, cdiv, tile, wide_shared_bytes
 
     gemm_tile = tile(config, config["BLOCK_SIZE_M"], group_k)
-    if -(-k // gemm_tile["BLOCK_K"]) > WIDE_K_TILES:
+    k_tiles = cdiv(k, gemm_tile["BLOCK_K"])
+    if k_tiles > WIDE_K_TILES:
         return gemm_tile, 0
     n_tiles, change = next((n, change) for rank, n, change in WIDE_TILES if max_rank <= rank)
-    return {**gemm_tile, **change}, n_tiles
+    wide = {**gemm_tile, **change}
+    if shared_bytes is not None and wide_shared_bytes(wide, k_tiles, max_rank, weight_bytes) > shared_bytes:
+        wide["num_stages"] = 1
+    return wide, n_tiles
+
+
+def _shared_bytes(device) -> int | None:
+    """Shared memory a program may use on ``device`` (227 KB on an H100/H200); None off the GPU."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin if device.type == "cuda" else None
 
 
 def offer(work: DownWork) -> None:
@@ -232,8 +258,12 @@ def _make(original, engaged: Engaged):
                 work.run(bound.arguments)
                 _say_once("the down LoRA delta of fast batches is added in the down GEMM's epilogue")
                 return None
-            except Exception:  # nothing of C is served from a failed launch: SGLang's GEMM overwrites it
-                logger.exception("the fused LoRA down GEMM failed; SGLang's GEMM and the hook run instead")
+            except Exception as error:  # nothing of C is served from a failed launch: SGLang's GEMM overwrites it
+                # Once a shape: refusal() turns its later launches away before any of their work.
+                first_line = (str(error).splitlines() or [""])[0][:200]
+                _failed[work.key(bound.arguments)] = f"{type(error).__name__}: {first_line}"
+                logger.exception("the fused LoRA down GEMM failed; SGLang's GEMM and the hook run instead, "
+                                 "for this down GEMM's shape from now on")
                 work.done = None
                 reason = "the fused launch failed"
         _say_once(f"a LoRA down GEMM runs unfused (the hook adds its delta): {reason}")
@@ -260,4 +290,5 @@ def activate(everywhere: bool = False) -> None:
 def deactivate() -> None:
     global _everywhere
     _everywhere = False
+    _failed.clear()
     PATCH.deactivate()

@@ -168,7 +168,6 @@ def _moe_gemm_wide_kernel(
     N_TILES: tl.constexpr,  # column tiles a program computes, the block's rows, scales and ranks read once for all
     FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr, B_TMA: tl.constexpr,
     RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
-    LATE_B: tl.constexpr = False,  # each adapter's B tile loaded just before its GEMM (:func:`_lora_add_late`)
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -219,7 +218,7 @@ def _moe_gemm_wide_kernel(
                    num_slots, N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                    stride_se, stride_sn, stride_sk, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
-                   EVEN_K, LATE_B)
+                   EVEN_K)
 
 
 @triton.jit
@@ -229,8 +228,7 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
                stride_sk, stride_ll, stride_le, stride_ln, stride_lr,
                SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-               LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
-               LATE_B: tl.constexpr):
+               LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr):
     """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -245,15 +243,10 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
         acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
                       as_ptrs + kt * stride_ask, s_ptrs + kt * stride_sk, route_ok, offs_k, expert, tile * BLOCK_N,
                       kt * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0)
-    if LORA and LATE_B:
+    if LORA:
         acc = _lora_add_late(acc, slot, wanted, ranks_t, first, first_rank, last, last_rank, expert, offs_n, n_ok,
                              lora_b_ptr, ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R,
                              RANK_GRANULE)
-    elif LORA:
-        first_b, last_b = _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok,
-                                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
-        acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
-                        ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     if MUL_ROUTED_WEIGHT:
         acc *= routed[:, None]
     tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
@@ -416,9 +409,12 @@ def _lora_add(acc, slot, wanted, t, first, first_b, last, last_b, expert, offs_n
 def _lora_add_late(acc, slot, wanted, t, first, first_rank, last, last_rank, expert, offs_n, n_ok, b_ptr, ranks_ptr,
                    num_slots, stride_bl, stride_be, stride_bn, stride_br, BLOCK_R: tl.constexpr,
                    RANK_GRANULE: tl.constexpr):
-    """:func:`_lora_add` with each B tile loaded just before its GEMM, so that the highest adapter's tile is not
-    live across the lowest adapter's GEMM: the same GEMMs in the same order (the same sums), fewer registers
-    (the wide kernel sits at 250-255 a thread on sm_90 with both tiles live, and spills past rank 16)."""
+    """:func:`_lora_add` with each B tile loaded just before its GEMM (the wide kernel's epilogue): the same GEMMs
+    in the same order, but the highest adapter's tile is not live across the lowest adapter's GEMM. With both
+    live the wide kernel sat at 250-255 registers a thread on sm_90 and spilled past rank 16; loaded late, rank
+    32 takes 215 with 64-wide columns and 128-wide columns fit it (measured 17-20% faster on an H100's GLM-5.1
+    TP8 down GEMM, ``benchmarks/results/lora_moe/late-b/``). :func:`_moe_gemm_kernel` keeps its tiles early:
+    its K loop is long enough to hide their loads."""
     if first < num_slots:  # a row with a delta
         b = _lora_b_tile(b_ptr, first, first_rank, expert, offs_n, n_ok, stride_bl, stride_be, stride_bn, stride_br,
                          BLOCK_R, RANK_GRANULE)
@@ -647,6 +643,15 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         B_TMA=b_desc is not None,
         RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1, EVEN_K=k % block_k == 0, **tile,
     )
+
+
+def wide_shared_bytes(tile: dict, k_tiles: int, max_rank: int, weight_bytes: int) -> int:
+    """At least the shared memory :func:`_moe_gemm_wide_kernel` takes with ``tile`` (Triton 3.6 for sm_90; held
+    to it in tests/test_kernel_codegen.py): each pipeline stage of the column loop holds every K tile of the
+    block's A rows and of the weights, and the LoRA epilogue's 16-bit dot operands take at most twice theirs."""
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    m, n, k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    return tile["num_stages"] * k_tiles * (m + n) * k * weight_bytes + 2 * 2 * (m + n) * block_r
 
 
 def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -420,6 +420,42 @@ def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglan
     assert not fused_lora.PATCH.status().working
 
 
+def test_a_fused_launch_that_fails_is_served_unfused_and_not_tried_again_for_its_shape(sglang_plugins, runners,
+                                                                                         monkeypatch, caplog):
+    """A fused down launch that raises (in a real server: Triton's OutOfResources for a tile over a Hopper
+    program's shared memory, at every prefill step of Qwen3-30B-A3B-FP8 before ``wide_tile`` took one stage
+    there) leaves that call to SGLang's down GEMM and the hook, right; its shape is refused from then on, before
+    any of its work, with one traceback and one line in the log, not one of each every call."""
+    from triton.runtime.errors import OutOfResources
+
+    from sglang_lora_tma_guard import fused_lora, moe_gemm
+
+    attempts = []
+
+    def out_of_shared_memory(*args, **kwargs):
+        attempts.append(1)
+        raise OutOfResources(305152, 232448, "shared memory")
+
+    monkeypatch.setattr(moe_gemm, "moe_gemm", out_of_shared_memory)
+    problem, info = make_case("mixed-ranks-top2", seed=1, ranks=(8, 16, 4, 16))
+    reference = expected_moe(problem, ReferenceLoRAHooks(info))
+    sglang_plugins("fast")
+    fused_lora.activate(everywhere=True)
+    fused_lora._said.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_lora_tma_guard"):
+        for _ in range(3):
+            out = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+            assert tiny_moe.rel_err(out, reference) < 1e-2
+    assert len(attempts) == 1
+    failed = [r for r in caplog.records if "fused LoRA down GEMM failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None
+    unfused = [r.getMessage() for r in caplog.records if "runs unfused" in r.getMessage()]
+    assert len(unfused) == 2 and "failed here before (OutOfResources: out of resource: shared memory" in unfused[1], \
+        unfused
+    fused_lora.deactivate()
+    assert not fused_lora._failed
+
+
 def test_guard_corrects_sglangs_virtual_experts_path(sglang_plugins, runners):
     """``--lora-use-virtual-experts`` on a gated MoE: wrong without the guard, right with ``=1``."""
     problem, info = make_case("mixed-ranks-top2", seed=2)

@@ -1,5 +1,6 @@
 """What the LoRA kernels compile to on an H200 (sm_90 PTX, compiled here by Triton without a GPU,
-``harness/ptx.py``): the fast path's and the fused down GEMM's loads of weights and ranks are vector loads.
+``harness/ptx.py``): the fast path's and the fused down GEMM's loads of weights and ranks are vector loads,
+and the wide down GEMM, at the tile ``=fast`` places for each shape, fits a Hopper program's shared memory.
 
 Under a mask Triton cannot prove constant over aligned runs, a load along a contiguous axis is one load
 per element. The LoRA B buffers hold ranks innermost and each adapter's rank is read from memory, so an
@@ -26,16 +27,30 @@ VECTOR = ("expand, one rank tile", "expand, rank tiles of 16", "shrink", "one ke
           "wide fused down GEMM, rank 16", "wide fused down GEMM, rank 64")
 CONTROLS = ("expand, one rank tile, exact rank masks", "expand, rank tiles of 16, exact rank masks",
             "fused down GEMM, exact rank masks")
+HOPPER_SHARED_BYTES = 232448
+"""What a program may use on an H100 or H200. A kernel that asks for more compiles, and fails at its launch
+(Triton's OutOfResources): the first fused launch on Qwen3-30B-A3B-FP8's down GEMM did, in a server."""
+
+
+def compile_sm90(names) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "harness.ptx", *names], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def accesses():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-m", "harness.ptx", *VECTOR, *CONTROLS], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {name: built["accesses"] for name, built in json.loads(done.stdout.splitlines()[-1]).items()}
+    return {name: built["accesses"] for name, built in compile_sm90([*VECTOR, *CONTROLS]).items()}
+
+
+@pytest.fixture(scope="module")
+def placed():
+    from harness.ptx import CONFIGURATIONS
+
+    return compile_sm90([name for name in CONFIGURATIONS if name.startswith("wide fused down GEMM placed")])
 
 
 def element_loads(counts: dict[str, int]) -> int:
@@ -54,3 +69,16 @@ def test_lora_kernels_load_in_vectors(accesses, name):
 @pytest.mark.parametrize("name", CONTROLS)
 def test_exact_rank_masks_load_element_by_element(accesses, name):
     assert element_loads(accesses[name]) >= 16, accesses[name]
+
+
+def test_the_wide_down_gemm_as_placed_fits_a_hoppers_shared_memory(placed):
+    """Where two pipeline stages of its column loop would not fit (six K tiles of Qwen3-30B-A3B tp 1: 303,104
+    bytes with SGLang's BLOCK_SIZE_M of 64), ``fused_lora.wide_tile`` takes one; the estimate it decides by is
+    at least what Triton allocates."""
+    assert len(placed) >= 9
+    one_stage = 0
+    for name, built in placed.items():
+        assert built["shared_bytes"] <= built["estimate"], (name, built["shared_bytes"], built["estimate"])
+        assert built["shared_bytes"] <= HOPPER_SHARED_BYTES, (name, built["shared_bytes"], built["tile"])
+        one_stage += built["tile"]["num_stages"] == 1
+    assert 0 < one_stage < len(placed)  # the short K keeps its pipeline, the long one does not
