@@ -365,6 +365,13 @@ def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tm
     for r in requests:
         ref.use(r["adapter"])
         assert ref.score(r["prompt"], r["output"])["bad"] == 0
+    # Calibrated on a run (here its own: no bad position, so none allowed), with the rotated control beside it.
+    scores: dict = {}
+    text = verdict(ref, [str(self_path)], calibrate="self", with_rotated=True, scores=scores)
+    assert "worst request (0.000)" in text and "VERDICT self: 9/9 right" in text
+    right, total = map(int, re.search(r"VERDICT self rotated: (\d+)/(\d+) right", text).groups())
+    assert total == 9 and 3 <= right < 9  # the base requests stay right, the adapters' are scored as another's
+    assert sorted(scores) == ["self", "self rotated"] and scores["self"]["a1"] == [0, 0, 0]
 
 
 def test_the_fp8_checkpoint_is_sglangs_block_fp8_and_its_reference_the_exact_dequantized_weights(tmp_path):
