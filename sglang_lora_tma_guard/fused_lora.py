@@ -17,7 +17,8 @@ SGLang's launcher untouched, and ``after_down`` then adds the delta itself: an o
 taken costs nothing and loses nothing. Not under ``torch.compile`` (the hooks' custom ops run there).
 
 Where it runs: ``=fast`` places it for the batches it is measured faster on (:data:`FASTER_FROM_ROUTES`:
-by max rank and batch size, block-fp8 experts); every other batch keeps the hook's expand.
+by max rank and batch size; block-fp8 experts, a down GEMM of K :data:`FASTER_AT_K`); every other batch keeps
+the hook's expand.
 :func:`activate` with ``everywhere`` takes every batch it covers (tests, benchmarks). Right:
 ``tests/test_fast_lora.py``, ``tests/test_fused_lora.py``; measured: ``docs/lora_moe_floor.md``.
 """
@@ -51,6 +52,11 @@ experts; none past rank 32. Measured on an H200 (``benchmarks/down_gemm.py``, th
 rank 16 0.29 / 0.27 at 1024 tokens, 0.37 / 0.40 at 2048, 0.49 / 0.62 at 4096, 0.73 / 1.07 at 8192 (top-8:
 8 routes a token); rank 8 0.42 / 0.39 at 2048, 0.56 / 0.64 at 4096; rank 32 0.79 / 0.72 at 4096, 1.08 /
 1.27 at 8192; ranks up to 64 slower at every size (1.34 / 1.23 at 8192)."""
+FASTER_AT_K = 256
+"""The down GEMM's K (a shard's expert intermediate width) where ``=fast`` takes the fused launch: GLM-5.1's and
+DeepSeek-V3's at TP8, two K tiles, where it is measured faster. With six (Qwen3-30B-A3B at tp 1, one pipeline
+stage) it is slower: rank 16 0.81 / 0.76 ms at 8192 tokens, 0.35 / 0.26 at 2048, fused / unfused on an H100
+(``benchmarks/results/lora_moe/fused-qwen3/``); other widths are not measured."""
 _everywhere = False
 _failed: dict[tuple, str] = {}
 """Down GEMMs (:meth:`DownWork.key`) whose fused launch raised in this process, and why: refused from then on
@@ -127,6 +133,8 @@ class DownWork:
             return f"LoRA rank {self.max_rank} (the fused epilogue takes up to {MAX_RANK})"
         if not _everywhere and not a["use_fp8_w8a8"]:
             return "16-bit experts (the fused down GEMM is measured faster over block-fp8 experts only)"
+        if not _everywhere and A.shape[1] != FASTER_AT_K:
+            return f"a down GEMM of K {A.shape[1]} (the fused down GEMM is measured faster at K {FASTER_AT_K} only)"
         failed = _failed.get(self.key(a))
         return f"its fused launch failed here before ({failed})" if failed else None
 
