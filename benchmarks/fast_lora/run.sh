@@ -18,8 +18,9 @@
 # machine too ($E2E/runs-L$LAYERS), so "score" may come in a later call than the servers.
 # FP8=1: the model's projections in block fp8 (make_model.py --fp8, experts as Qwen3-30B-A3B-FP8 holds
 # them), adapters of ranks 8/16/16/16 (--max-lora-rank 16), scored against the bf16 checkpoint of the same
-# dequantized weights: the batches where =fast takes the fused down GEMM (block-fp8 experts, rank <= 16,
-# prefill steps of 2048 tokens or more).
+# dequantized weights ("score" then also prints benchmarks/serving/reference.py's verdict calibrated on the
+# no-LoRA run, with the rotated control). Its "fused" server takes the fused down GEMM for every batch; =fast
+# does not on this shape (K 768: measured slower, fused_lora.FASTER_AT_K).
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 source benchmarks/serving/server.sh
@@ -85,6 +86,10 @@ for name in "${names[@]}"; do
       runs=()
       for run in "$keep"/run-*.json; do [ "$run" = "$keep/run-free.json" ] || runs+=("$run"); done  # free: wrong by design
       python3 -m benchmarks.serving.reference "$reference" "$lora" "${runs[@]}" --out "$OUT/verdict-reference.txt"
+      if [ "${FP8:-0}" = 1 ] && [ -f "$keep/run-nolora.json" ]; then  # w8a8: the share calibrated on no LoRA
+        python3 -m benchmarks.serving.reference "$reference" "$lora" "${runs[@]}" --calibrate nolora --rotated \
+          --out "$OUT/verdict-calibrated.txt" --json "$OUT/scores.json"
+      fi
       if [ -f "$keep/run-default.json" ] && [ -f "$keep/run-fast.json" ]; then
         python3 -m benchmarks.fast_lora.client compare "$keep/run-default.json" "$keep/run-fast.json" > "$OUT/verdict.json"
         head -8 "$OUT/verdict.json"
