@@ -194,9 +194,14 @@ def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_b
 
 def _shared_bytes(device) -> int | None:
     """Shared memory a program may use on ``device`` (227 KB on an H100/H200); None off the GPU."""
+    return _gpu_shared_bytes(device.index) if device.type == "cuda" else None
+
+
+@functools.cache
+def _gpu_shared_bytes(index: int | None) -> int:
     import torch
 
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin if device.type == "cuda" else None
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def offer(work: DownWork) -> None:

@@ -646,8 +646,8 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
 
 
 def wide_shared_bytes(tile: dict, k_tiles: int, max_rank: int, weight_bytes: int) -> int:
-    """At least the shared memory :func:`_moe_gemm_wide_kernel` takes with ``tile`` (Triton 3.6 for sm_90; held
-    to it in tests/test_kernel_codegen.py): each pipeline stage of the column loop holds every K tile of the
+    """At least the shared memory :func:`_moe_gemm_wide_kernel` takes with ``tile`` (held to Triton's own sm_90
+    allocation in tests/test_kernel_codegen.py): each pipeline stage of the column loop holds every K tile of the
     block's A rows and of the weights, and the LoRA epilogue's 16-bit dot operands take at most twice theirs."""
     block_r = max(16, triton.next_power_of_2(max_rank))
     m, n, k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
