@@ -387,7 +387,8 @@ class PathStatus:
             return "SGLang's own LoRA MoE hooks"
         if self.mode == Mode.FAST:
             return ("fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch; the down "
-                    "expand in the down GEMM for large batches up to rank 32)")
+                    "expand in the down GEMM for large block-fp8 batches up to rank 32 on DeepSeek-V3/GLM-5.1 "
+                    "TP8 shards)")
         if self.virtual_experts_fixed_upstream:
             return "SGLang's own LoRA MoE hooks (its virtual-experts path is right in this release)"
         return "SGLang's own LoRA MoE hooks; --lora-use-virtual-experts on gated MoE corrected"

@@ -2,7 +2,8 @@
 
     python -m benchmarks.fast_lora.client run PORT OUT.json [lora]
         correctness: 40 greedy requests x 32 new tokens with their top-5 log-probabilities (8 prompts
-        alone for each of the 4 adapters, then a wave of 8 mixing them and the base model); "lora"
+        alone for each of the 4 adapters, $PROMPTS to take more, then a wave of 8 mixing them and the base
+        model); "lora"
         marks a server with adapters. OUT.json also lists every request as benchmarks/serving/reference.py
         scores it (prompt, adapter, output), named after OUT.json's stem
     python -m benchmarks.fast_lora.client load PORT OUT.json [lora]
@@ -45,7 +46,8 @@ def prompt(i: int, length: int | None = None) -> list[int]:
 
 def run(port: int, lora: bool) -> dict:
     kinds = ADAPTERS if lora else [None]
-    alone = {f"alone-p{i}-{adapter or 'base'}": (prompt(i), adapter) for i in range(8) for adapter in kinds}
+    prompts = int(os.environ.get("PROMPTS", "8"))  # more: a finer count of bad positions an adapter (w8a8's spread)
+    alone = {f"alone-p{i}-{adapter or 'base'}": (prompt(i), adapter) for i in range(prompts) for adapter in kinds}
     mixed = [None, *kinds] if lora else kinds
     waved = {f"wave8-r{k}-{mixed[k % len(mixed)] or 'base'}": (prompt(100 + k), mixed[k % len(mixed)])
              for k in range(8)}

@@ -16,6 +16,7 @@
 # only, more waves, one file per server as names may repeat): which of the client's steps each
 # server takes; PROFILE_STACK=0: the profile's traces without Python stacks. The runs are kept on the
 # machine too ($E2E/runs-L$LAYERS), so "score" may come in a later call than the servers.
+# PROMPTS (default 8): the prompts each adapter's correctness requests take alone (client.py run).
 # FP8=1: the model's projections in block fp8 (make_model.py --fp8, experts as Qwen3-30B-A3B-FP8 holds
 # them), adapters of ranks 8/16/16/16 (--max-lora-rank 16), scored against the bf16 checkpoint of the same
 # dequantized weights ("score" then also prints benchmarks/serving/reference.py's verdict calibrated on the
