@@ -127,7 +127,7 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
                                  info.down_lora_b_weights.shape[1], max_rank)
 
     wide_tile, n_tiles = fused_lora.wide_tile(cfg, group_k, act.shape[1], max_rank, problem.w2.element_size(),
-                                              fused_lora._shared_bytes(act.device))  # as the launch picks it
+                                              fused_lora.shared_bytes_of(act.device))  # as the launch picks it
     ordered = moe_gemm.order_by_adapter(sorted_ids, expert_ids, post, slots, ids.shape[1], cfg["BLOCK_SIZE_M"],
                                         ranks.numel())
 

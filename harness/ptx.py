@@ -152,7 +152,7 @@ def wide_down_as_placed(k: int, max_rank: int, block_m: int = 64) -> dict:
               "num_stages": 3}
     tile, n_tiles = fused_lora.wide_tile(config, 128, k, max_rank, 1, HOPPER_SHARED_BYTES)
     k_tiles = moe_gemm.cdiv(k, 128)
-    built = wide_down(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_R=max(16, 1 << (max_rank - 1).bit_length()),
+    built = wide_down(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_R=moe_gemm.rank_tile(max_rank),
                       K_TILES=k_tiles, N_TILES=n_tiles, EVEN_K=k % 128 == 0, num_warps=tile["num_warps"],
                       num_stages=tile["num_stages"])
     return {**built, "estimate": moe_gemm.wide_shared_bytes(tile, k_tiles, max_rank, 1), "tile": tile}

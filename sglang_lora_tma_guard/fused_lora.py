@@ -157,7 +157,7 @@ class DownWork:
         group_n, group_k = a["block_shape"] if fp8 else (1, None)
         x, x_scale = quantize_per_group(A, group_k) if fp8 else (A, None)
         gemm_tile, n_tiles = wide_tile(a["config"], group_k, A.shape[1], self.max_rank, B.element_size(),
-                                       _shared_bytes(C.device))
+                                       shared_bytes_of(C.device))
         # SGLang's list holds each expert's routes in the order its atomics took them: about every adapter in
         # every block, each adding a GEMM to the block's epilogue. Ordered, a block holds one or two.
         sorted_ids = order_by_adapter(a["sorted_token_ids"], a["expert_ids"], a["num_tokens_post_padded"],
@@ -192,7 +192,7 @@ def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_b
     return wide, n_tiles
 
 
-def _shared_bytes(device) -> int | None:
+def shared_bytes_of(device) -> int | None:
     """Shared memory a program may use on ``device`` (227 KB on an H100/H200); None off the GPU."""
     return _gpu_shared_bytes(device.index) if device.type == "cuda" else None
 

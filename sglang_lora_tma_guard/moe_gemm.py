@@ -552,7 +552,12 @@ class LoRAEpilogue:
     halves: int = 1
 
     def block_r(self) -> int:
-        return max(16, triton.next_power_of_2(self.max_rank))
+        return rank_tile(self.max_rank)
+
+
+def rank_tile(max_rank: int) -> int:
+    """The epilogue's rank tile (``BLOCK_R``) for adapters up to ``max_rank``: a power of two, 16 at least (a dot)."""
+    return max(16, triton.next_power_of_2(max_rank))
 
 
 def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, expert_ids,
@@ -649,9 +654,8 @@ def wide_shared_bytes(tile: dict, k_tiles: int, max_rank: int, weight_bytes: int
     """At least the shared memory :func:`_moe_gemm_wide_kernel` takes with ``tile`` (held to Triton's own sm_90
     allocation in tests/test_kernel_codegen.py): each pipeline stage of the column loop holds every K tile of the
     block's A rows and of the weights, and the LoRA epilogue's 16-bit dot operands take at most twice theirs."""
-    block_r = max(16, triton.next_power_of_2(max_rank))
     m, n, k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    return tile["num_stages"] * k_tiles * (m + n) * k * weight_bytes + 2 * 2 * (m + n) * block_r
+    return tile["num_stages"] * k_tiles * (m + n) * k * weight_bytes + 2 * 2 * (m + n) * rank_tile(max_rank)
 
 
 def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

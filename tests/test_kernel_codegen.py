@@ -27,9 +27,6 @@ VECTOR = ("expand, one rank tile", "expand, rank tiles of 16", "shrink", "one ke
           "wide fused down GEMM, rank 16", "wide fused down GEMM, rank 64")
 CONTROLS = ("expand, one rank tile, exact rank masks", "expand, rank tiles of 16, exact rank masks",
             "fused down GEMM, exact rank masks")
-HOPPER_SHARED_BYTES = 232448
-"""What a program may use on an H100 or H200. A kernel that asks for more compiles, and fails at its launch
-(Triton's OutOfResources): the first fused launch on Qwen3-30B-A3B-FP8's down GEMM did, in a server."""
 
 
 def compile_sm90(names) -> dict:
@@ -72,9 +69,13 @@ def test_exact_rank_masks_load_element_by_element(accesses, name):
 
 
 def test_the_wide_down_gemm_as_placed_fits_a_hoppers_shared_memory(placed):
-    """Where two pipeline stages of its column loop would not fit (six K tiles of Qwen3-30B-A3B tp 1: 303,104
-    bytes with SGLang's BLOCK_SIZE_M of 64), ``fused_lora.wide_tile`` takes one; the estimate it decides by is
-    at least what Triton allocates."""
+    """A kernel that asks a program for more shared memory than the GPU has compiles, and fails at its launch
+    (Triton's OutOfResources): the first fused launch on Qwen3-30B-A3B-FP8's down GEMM did, in a server. Where two
+    pipeline stages of its column loop would not fit (six K tiles of Qwen3-30B-A3B tp 1: 303,104 bytes with
+    SGLang's BLOCK_SIZE_M of 64), ``fused_lora.wide_tile`` takes one; the estimate it decides by is at least what
+    Triton allocates."""
+    from harness.ptx import HOPPER_SHARED_BYTES
+
     assert len(placed) >= 9
     one_stage = 0
     for name, built in placed.items():

@@ -98,16 +98,13 @@ class Reference:
                 "positions": len(output)}
 
 
-ADAPTERS = ("a1", "a2", "a3", "a4")
-
-
 def rotated(run: dict) -> dict:
-    """``run`` with every adapter request labelled as the next adapter (a4 as a1): the wrong side."""
-    def next_adapter(adapter):
-        return adapter if adapter not in ADAPTERS else ADAPTERS[(ADAPTERS.index(adapter) + 1) % len(ADAPTERS)]
-
+    """``run`` with every adapter request labelled as the next of the run's adapters by name (the last as the
+    first): the wrong side. Base requests stay."""
+    names = sorted({r["adapter"] for r in run["requests"] if r["adapter"]})
+    following = dict(zip(names, names[1:] + names[:1]))
     return {**run, "name": f"{run['name']} rotated",
-            "requests": [{**r, "adapter": next_adapter(r["adapter"])} for r in run["requests"]]}
+            "requests": [{**r, "adapter": following.get(r["adapter"], r["adapter"])} for r in run["requests"]]}
 
 
 def score_run(ref: Reference, run: dict) -> dict[str, list[dict]]:
