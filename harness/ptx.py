@@ -121,17 +121,18 @@ def fused_down(**meta) -> dict:
 
 def wide_down(num_warps: int = 4, num_stages: int = 2, **meta) -> dict:
     """The wide down GEMM with the LoRA epilogue as ``=fast`` launches it (``fused_lora.WIDE_TILES``):
-    block-fp8 weights by plain loads, SGLang's route list, the GLM-5.1 TP8 down GEMM (K 256: two tiles), rank
-    16 unless ``meta`` says otherwise."""
+    block-fp8 weights (bf16 with ``FP8=False``) by plain loads, SGLang's route list, the GLM-5.1 TP8 down GEMM
+    (K 256: two tiles), rank 16 unless ``meta`` says otherwise."""
     from sglang_lora_tma_guard import moe_gemm
 
     constexprs = dict(TOPK=8, SCALE_BLOCK_N=128, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, BLOCK_R=16, K_TILES=2,
                       N_TILES=16, FP8=True, MUL_ROUTED_WEIGHT=True, LORA=True, B_TMA=False, RANK_GRANULE=8,
                       EVEN_K=True, b_desc=None)
     constexprs.update(meta)
+    weights = "*fp8e4nv" if constexprs["FP8"] else "*bf16"
     int32 = ("sorted_ids_ptr", "expert_ids_ptr", "num_post_padded_ptr", "token_lora_ptr", "enabled_ptr", "ranks_ptr")
     return compiled(moe_gemm._moe_gemm_wide_kernel,
-                    types={"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "t_ptr": "*fp32", "topk_weights_ptr": "*fp32",
+                    types={"a_ptr": weights, "b_ptr": weights, "t_ptr": "*fp32", "topk_weights_ptr": "*fp32",
                            "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", **dict.fromkeys(int32, "*i32")},
                     constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr"),
                     num_warps=num_warps, num_stages=num_stages)
@@ -141,21 +142,23 @@ HOPPER_SHARED_BYTES = 232448
 """Shared memory a program may use on an H100 or H200 (``shared_memory_per_block_optin``)."""
 
 
-def wide_down_as_placed(k: int, max_rank: int, block_m: int = 64) -> dict:
-    """The wide down GEMM at the tile ``fused_lora.wide_tile`` picks on an H100/H200 from a tuned block-fp8
-    config of SGLang's (``BLOCK_SIZE_M`` ``block_m``, 128-wide columns) for a down GEMM of K ``k`` (a shard's
-    intermediate width) and adapters up to ``max_rank``: the compiled kernel, with ``estimate``
-    (``moe_gemm.wide_shared_bytes``) and the ``tile``."""
+def wide_down_as_placed(k: int, max_rank: int, block_m: int = 64, fp8: bool = True) -> dict:
+    """The wide down GEMM at the tile ``fused_lora.wide_tile`` picks on an H100/H200 from a tuned config of
+    SGLang's (``BLOCK_SIZE_M`` ``block_m``, 128-wide columns; K tiles of 128, one fp8 group, or of 64 with bf16
+    experts) for a down GEMM of K ``k`` (a shard's intermediate width) and adapters up to ``max_rank``: the
+    compiled kernel, with ``estimate`` (``moe_gemm.wide_shared_bytes``) and the ``tile``."""
     from sglang_lora_tma_guard import fused_lora, moe_gemm
 
-    config = {"BLOCK_SIZE_M": block_m, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
-              "num_stages": 3}
-    tile, n_tiles = fused_lora.wide_tile(config, 128, k, max_rank, 1, HOPPER_SHARED_BYTES)
-    k_tiles = moe_gemm.cdiv(k, 128)
-    built = wide_down(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_R=moe_gemm.rank_tile(max_rank),
-                      K_TILES=k_tiles, N_TILES=n_tiles, EVEN_K=k % 128 == 0, num_warps=tile["num_warps"],
-                      num_stages=tile["num_stages"])
-    return {**built, "estimate": moe_gemm.wide_shared_bytes(tile, k_tiles, max_rank, 1), "tile": tile}
+    block_k, weight_bytes = (128, 1) if fp8 else (64, 2)
+    config = {"BLOCK_SIZE_M": block_m, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": block_k, "GROUP_SIZE_M": 1,
+              "num_warps": 4, "num_stages": 3}
+    tile, n_tiles = fused_lora.wide_tile(config, 128 if fp8 else None, k, max_rank, weight_bytes, HOPPER_SHARED_BYTES)
+    assert n_tiles, f"K {k} is past the wide kernel's K tiles: fused_lora launches the one-tile GEMM there"
+    k_tiles = moe_gemm.cdiv(k, block_k)
+    built = wide_down(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=block_k,
+                      BLOCK_R=moe_gemm.rank_tile(max_rank), K_TILES=k_tiles, N_TILES=n_tiles, FP8=fp8,
+                      EVEN_K=k % block_k == 0, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    return {**built, "estimate": moe_gemm.wide_shared_bytes(tile, k_tiles, max_rank, weight_bytes), "tile": tile}
 
 
 CONFIGURATIONS = {
@@ -175,6 +178,10 @@ CONFIGURATIONS = {
     **{f"wide fused down GEMM placed, K {k}, rank {r}, BLOCK_M {m}": (lambda k=k, r=r, m=m: wide_down_as_placed(k, r, m))
        for k, r, m in ((256, 16, 64), (256, 32, 64), (256, 64, 64), (768, 16, 64), (768, 32, 128), (768, 64, 64),
                        (384, 16, 64), (384, 64, 128), (192, 32, 64))},
+    # bf16 experts, where the fused launch runs only when placed for every batch (fused_lora.activate(everywhere=True)).
+    **{f"wide fused down GEMM placed, bf16, K {k}, rank {r}, BLOCK_M {m}": (
+        lambda k=k, r=r, m=m: wide_down_as_placed(k, r, m, fp8=False))
+       for k, r, m in ((256, 16, 64), (256, 64, 128), (384, 32, 64), (192, 16, 64))},
     # The other tuned decode tiles of Qwen3-30B-A3B tp 1 (512 pairs; "rank tiles of 16" is the gate-up expand's).
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
                                          num_warps=4),

@@ -73,10 +73,10 @@ def test_the_wide_down_gemm_as_placed_fits_a_hoppers_shared_memory(placed):
     (Triton's OutOfResources): the first fused launch on Qwen3-30B-A3B-FP8's down GEMM did, in a server. Where two
     pipeline stages of its column loop would not fit (six K tiles of Qwen3-30B-A3B tp 1: 303,104 bytes with
     SGLang's BLOCK_SIZE_M of 64), ``fused_lora.wide_tile`` takes one; the estimate it decides by is at least what
-    Triton allocates."""
+    Triton allocates, over block-fp8 experts and over bf16 ones (4 KB short of it at K 256, rank 16)."""
     from harness.ptx import HOPPER_SHARED_BYTES
 
-    assert len(placed) >= 9
+    assert len(placed) >= 13
     one_stage = 0
     for name, built in placed.items():
         assert built["shared_bytes"] <= built["estimate"], (name, built["shared_bytes"], built["estimate"])
