@@ -135,7 +135,7 @@ class DownWork:
             return "16-bit experts (the fused down GEMM is measured faster over block-fp8 experts only)"
         if not _everywhere and A.shape[1] != FASTER_AT_K:
             return f"a down GEMM of K {A.shape[1]} (the fused down GEMM is measured faster at K {FASTER_AT_K} only)"
-        failed = _failed.get(self.key(a))
+        failed = _failed.get(self.key(a)) if _failed else None  # no key built on every launch while none failed
         return f"its fused launch failed here before ({failed})" if failed else None
 
     def run(self, a: dict) -> None:
