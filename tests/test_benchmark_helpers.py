@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks.fast_lora import profile
-from benchmarks.serving.reference import Reference, verdict
+from benchmarks.serving.reference import Reference, forced_verdict, verdict
 from harness import tables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,8 +40,9 @@ def free_port() -> int:
 def run_campaign(tmp_path, script: str, **env) -> subprocess.CompletedProcess:
     """``script`` in bash with ``set -euo pipefail`` and server.sh sourced, python3 this interpreter."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "python3").symlink_to(sys.executable)
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        (bin_dir / "python3").symlink_to(sys.executable)
     full_env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                 "PYTHONPATH": f"{REPO / 'tests' / 'fake_server'}{os.pathsep}{REPO}", **env}
     return subprocess.run(["bash", "-c", f"set -euo pipefail; source benchmarks/serving/server.sh; {script}"],
@@ -82,6 +83,35 @@ def test_a_runs_requests_are_kept_as_the_reference_scores_them(tmp_path):
         assert request["output"] == answer["ids"] == [request["prompt"][-1] + 1 + k for k in range(32)]
         assert key.endswith(request["adapter"] or "base")
     assert [r["adapter"] for r in run["requests"][-8:]] == [None, "a1", "a2", "a3", "a4", None, "a1", "a2"]
+
+
+@pytest.mark.slow  # the benchmarks' server harness, not the package: out of the default run
+def test_a_forced_runs_distributions_are_kept_one_per_position_of_its_prompt(tmp_path):
+    port, log, out = free_port(), tmp_path / "server.log", tmp_path / "forced-fast.json"
+    done = run_campaign(tmp_path, f"""
+        start_server {log} {port} 20 -- --model-path m
+        PROMPTS=3 python3 -m benchmarks.fast_lora.client forced {port} {out} lora
+        stop_server""")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(out.read_text())
+    assert run["name"] == "fast" and len(run["forced"]) == 3 * 5
+    assert [r["adapter"] for r in run["forced"][:5]] == [None, "a1", "a2", "a3", "a4"]  # each kind's first alone
+    assert {r["batch"] for r in run["forced"][:5]} == {"alone"} and {r["batch"] for r in run["forced"][5:]} == {"wave"}
+    for request in run["forced"]:
+        # The stand-in's distribution at position j ranks ids[j] + 1 first: row j must be position j's.
+        assert [row[0][1] for row in request["top"]] == [t + 1 for t in request["prompt"]]
+        assert [lp for lp, _ in request["top"][0]] == [0.0, -0.5, -1.0, -1.5, -2.0]
+    # The same tokens for a prompt and kind whatever the server serves; each prompt its own.
+    again = tmp_path / "forced-nolora.json"
+    done = run_campaign(tmp_path, f"""
+        start_server {log} {port} 20 -- --model-path m
+        PROMPTS=3 python3 -m benchmarks.fast_lora.client forced {port} {again}
+        stop_server""")
+    assert done.returncode == 0, done.stderr
+    base = {r["key"]: r["prompt"] for r in json.loads(again.read_text())["forced"]}
+    assert sorted(base) == ["p0-base", "p1-base", "p2-base"]
+    assert all(base[r["key"]] == r["prompt"] for r in run["forced"] if r["adapter"] is None)
+    assert len({tuple(r["prompt"]) for r in run["forced"]}) == 15
 
 
 @pytest.mark.slow  # the benchmarks' server harness, not the package: out of the default run
@@ -372,6 +402,38 @@ def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tm
     right, total = map(int, re.search(r"VERDICT self rotated: (\d+)/(\d+) right", text).groups())
     assert total == 9 and 3 <= right < 9  # the base requests stay right, the adapters' are scored as another's
     assert sorted(scores) == ["self", "self rotated"] and scores["self"]["a1"] == [0, 0, 0]
+
+    # Teacher-forced: the reference's own top 5 at every position is no error; another adapter's is.
+    forced = []
+    for adapter in (None, "a1", "a4"):
+        ref.use(adapter)
+        for prompt in prompts:
+            with torch.no_grad():
+                logprobs = torch.log_softmax(ref.model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+            values, tokens = logprobs.topk(5, dim=-1)
+            forced.append({"prompt": prompt, "adapter": adapter,
+                           "top": [[[v, t] for v, t in zip(vs, ts)] for vs, ts in zip(values.tolist(), tokens.tolist())]})
+    # A greedy request's own top 5 at its output positions likewise.
+    r = forced[4]  # a1's second prompt
+    prompt, output = r["prompt"][:3], r["prompt"][3:]
+    ref.use("a1")
+    assert ref.score(prompt, output, r["top"][2:-1])["error"] < 1e-5
+    ref.use("a4")
+    assert ref.score(prompt, output, r["top"][2:-1])["error"] > 0.01
+    for r in forced:
+        ref.use(r["adapter"])
+        own = ref.forced_error(r["prompt"], r["top"])
+        assert own["error"] < 1e-5 and own["agree"] == 1.0
+        ref.use(swap[r["adapter"]])
+        if r["adapter"] is not None:
+            assert ref.forced_error(r["prompt"], r["top"])["error"] > 100 * max(own["error"], 1e-6)
+    scores = {}
+    text = forced_verdict(ref, [("self.json", {"name": "self", "forced": forced})], with_rotated=True, scores=scores)
+    rows = {line[:22].strip(): line[22:].split() for line in text.splitlines() if line.startswith("   self")}
+    assert sorted(rows) == ["self", "self rotated"]
+    assert rows["self"] == ["0.0000", "[0.0000]", "(1.000)"] * 3  # base, a1, a4
+    errors = {kind: max(v) for kind, v in scores["self rotated forced"].items()}
+    assert errors["base"] < 1e-5 and min(errors["a1"], errors["a4"]) > 0.01
 
 
 def test_the_fp8_checkpoint_is_sglangs_block_fp8_and_its_reference_the_exact_dequantized_weights(tmp_path):

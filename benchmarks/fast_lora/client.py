@@ -6,6 +6,12 @@
         model); "lora"
         marks a server with adapters. OUT.json also lists every request as benchmarks/serving/reference.py
         scores it (prompt, adapter, output), named after OUT.json's stem
+    python -m benchmarks.fast_lora.client forced PORT OUT.json [lora]
+        teacher-forced prefills: $PROMPTS (default 8) prompts of 192 random tokens for each adapter and the base
+        model, the server's top-5 log-probabilities at every position (no decoding: what benchmarks/serving/
+        reference.py compares with the fp32 model's distribution there). Each kind's first prompt alone (a
+        batch of 192 tokens), then all the others in one wave (prefill batches of thousands of tokens, the
+        adapters mixed)
     python -m benchmarks.fast_lora.client load PORT OUT.json [lora]
         decode throughput at 1, 16 and 64 concurrent requests (128 new tokens), and prefill throughput
         (32 concurrent prompts of 1024 tokens, 1 new token): one warm-up wave, then 5 timed, all kept
@@ -27,11 +33,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.serving.client import ask, generate, timed_waves, tokens_of, wave
+from benchmarks.serving.client import ask, forced, generate, timed_waves, tokens_of, wave
 
 ADAPTERS = ["a1", "a2", "a3", "a4"]
 NEW_TOKENS = 32
@@ -54,9 +61,30 @@ def run(port: int, lora: bool) -> dict:
     outputs = {key: generate(port, *job, NEW_TOKENS, True) for key, job in alone.items()}
     outputs.update(zip(waved, wave(port, list(waved.values()), NEW_TOKENS, True)))
     jobs = {**alone, **waved}
-    requests = [{"prompt": jobs[key][0], "adapter": jobs[key][1], "output": out["ids"]}
+    requests = [{"prompt": jobs[key][0], "adapter": jobs[key][1], "output": out["ids"], "top": out["top"]}
                 for key, out in outputs.items()]
     return {"outputs": outputs, "requests": requests}
+
+
+FORCED_LENGTH = 192
+VOCAB = 2048  # make_model.py's
+
+
+def forced_run(port: int, lora: bool) -> dict:
+    kinds = [None, *ADAPTERS] if lora else [None]
+    def ids(i: int, kind: str | None) -> list[int]:  # the same tokens for a prompt and kind on every server
+        draw = random.Random(f"{i}-{kind}")
+        return [draw.randrange(3, VOCAB) for _ in range(FORCED_LENGTH)]
+
+    jobs = [(f"p{i}-{kind or 'base'}", ids(i, kind), kind) for i in range(int(os.environ.get("PROMPTS", "8")))
+            for kind in kinds]
+    alone = [job for job in jobs if job[0].startswith("p0-")]
+    together = [job for job in jobs if not job[0].startswith("p0-")]
+    tops = [forced(port, ids, kind) for _, ids, kind in alone]
+    with ThreadPoolExecutor(max(1, len(together))) as pool:
+        tops += list(pool.map(lambda job: forced(port, job[1], job[2]), together))
+    return {"forced": [{"key": key, "prompt": ids, "adapter": kind, "top": top, "batch": "alone" if i < len(alone) else "wave"}
+                       for i, ((key, ids, kind), top) in enumerate(zip(alone + together, tops))]}
 
 
 @contextlib.contextmanager
@@ -135,13 +163,13 @@ def main(argv) -> int:
     if argv[0] == "profile":
         profile(int(argv[1]), argv[2], lora)
         return 0
-    if argv[0] in ("run", "load", "single"):
-        result = {"run": run, "load": load, "single": single}[argv[0]](int(argv[1]), lora)
-        if argv[0] == "run":
-            result["name"] = os.path.basename(argv[2]).removesuffix(".json").removeprefix("run-")
+    if argv[0] in ("run", "forced", "load", "single"):
+        result = {"run": run, "forced": forced_run, "load": load, "single": single}[argv[0]](int(argv[1]), lora)
+        if argv[0] in ("run", "forced"):
+            result["name"] = os.path.basename(argv[2]).removesuffix(".json").removeprefix(f"{argv[0]}-")
         with open(argv[2], "w") as f:
             json.dump(result, f)
-        if argv[0] != "run":
+        if argv[0] not in ("run", "forced"):
             print(json.dumps(result))
         return 0
     with open(argv[1]) as default, open(argv[2]) as fast:

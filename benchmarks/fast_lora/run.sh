@@ -7,20 +7,20 @@
 # ("onestream") the fast path with all its LoRA kernels on the MoE call's stream (onestream_site/) or ("free")
 # a ceiling: SGLang's LoRA machinery with MoE LoRA hooks that do nothing (free_site/; not scored). Each:
 # correctness requests, decode and prefill throughput, a profile of a prefill wave and of steady
-# decoding (client.py run, load, profile; the profile summarized by profile.py). "score": every run so
-# far scored against transformers' fp32 model with each adapter merged (benchmarks/serving/reference.py),
-# then the fast run compared with the default one.
+# decoding (client.py run, load, profile; the profile summarized by profile.py); on request (STEPS) teacher-forced
+# prefills (client.py forced). "score": every run so
+# far (greedy and teacher-forced, with the rotated control) scored against transformers' fp32 model with each
+# adapter merged (benchmarks/serving/reference.py), then the fast run compared with the default one.
 #   bash benchmarks/fast_lora/run.sh [names...]    (default: default fast nolora score); results under ${OUT:-results}/
 # LAYERS (default 3): the model's depth; 16 makes a decode step GPU-bound. DTYPE=float16|bfloat16 (default
-# bfloat16): the servers' --dtype. STEPS (default "run load profile"; also "single": decode at 1 request
-# only, more waves, one file per server as names may repeat): which of the client's steps each
+# bfloat16): the servers' --dtype. STEPS (default "run load profile"; also "forced", and "single": decode at 1
+# request only, more waves, one file per server as names may repeat): which of the client's steps each
 # server takes; PROFILE_STACK=0: the profile's traces without Python stacks. The runs are kept on the
 # machine too ($E2E/runs-L$LAYERS), so "score" may come in a later call than the servers.
-# PROMPTS (default 8): the prompts each adapter's correctness requests take alone (client.py run).
+# PROMPTS (default 8): the prompts each adapter's correctness requests take (client.py run and forced).
 # FP8=1: the model's projections in block fp8 (make_model.py --fp8, experts as Qwen3-30B-A3B-FP8 holds
 # them), adapters of ranks 8/16/16/16 (--max-lora-rank 16), scored against the bf16 checkpoint of the same
-# dequantized weights ("score" then also prints benchmarks/serving/reference.py's verdict calibrated on the
-# no-LoRA run, with the rotated control). Its "fused" server takes the fused down GEMM for every batch; =fast
+# dequantized weights ("score" then calibrates the greedy runs' verdict on the no-LoRA run's). Its "fused" server takes the fused down GEMM for every batch; =fast
 # does not on this shape (K 768: measured slower, fused_lora.FASTER_AT_K).
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
@@ -57,8 +57,8 @@ serve() {  # NAME PORT GUARD_VALUE LORA(yes|no) [VAR=VALUE ...]
     local step
     for step in ${STEPS:-run load profile}; do
       case "$step" in
-        run) python3 -m benchmarks.fast_lora.client run "$port" "$OUT/run-$name.json" $tag
-             cp "$OUT/run-$name.json" "$keep/" ;;
+        run|forced) python3 -m benchmarks.fast_lora.client "$step" "$port" "$OUT/$step-$name.json" $tag
+                    cp "$OUT/$step-$name.json" "$keep/" ;;
         load) python3 -m benchmarks.fast_lora.client load "$port" "$OUT/load-$name.json" $tag | sed "s/^/== $name load: /" ;;
         single) local i=1  # a name may come more than once (A/B/A): each server its own file
                 while [ -f "$OUT/single-$name-$i.json" ]; do i=$((i + 1)); done
@@ -84,13 +84,14 @@ for name in "${names[@]}"; do
     free) serve free 32006 fast yes PYTHONPATH="$PWD/benchmarks/fast_lora/free_site:$PYTHONPATH" ;;
     nolora) serve nolora 32003 1 no ;;
     score)
-      runs=()
-      for run in "$keep"/run-*.json; do [ "$run" = "$keep/run-free.json" ] || runs+=("$run"); done  # free: wrong by design
-      python3 -m benchmarks.serving.reference "$reference" "$lora" "${runs[@]}" --out "$OUT/verdict-reference.txt"
-      if [ "${FP8:-0}" = 1 ] && [ -f "$keep/run-nolora.json" ]; then  # w8a8: the share calibrated on no LoRA
-        python3 -m benchmarks.serving.reference "$reference" "$lora" "${runs[@]}" --calibrate nolora --rotated \
-          --out "$OUT/verdict-calibrated.txt" --json "$OUT/scores.json"
-      fi
+      runs=() calibrate=()
+      for run in "$keep"/run-*.json "$keep"/forced-*.json; do  # free: wrong by design
+        [ -f "$run" ] && [ "${run%-free.json}" = "$run" ] && runs+=("$run")
+      done
+      # w8a8: the greedy runs' share of bad positions calibrated on no LoRA's
+      [ "${FP8:-0}" = 1 ] && [ -f "$keep/run-nolora.json" ] && calibrate=(--calibrate nolora)
+      python3 -m benchmarks.serving.reference "$reference" "$lora" "${runs[@]}" "${calibrate[@]}" --rotated \
+        --out "$OUT/verdict-reference.txt" --json "$OUT/scores.json"
       if [ -f "$keep/run-default.json" ] && [ -f "$keep/run-fast.json" ]; then
         python3 -m benchmarks.fast_lora.client compare "$keep/run-default.json" "$keep/run-fast.json" > "$OUT/verdict.json"
         head -8 "$OUT/verdict.json"

@@ -54,6 +54,21 @@ def generate(port: int, ids: list[int], lora: str | None, new_tokens: int, logpr
     return {"ids": answer["output_ids"], "top": [[[lp, tok] for lp, tok, *_ in step] for step in top] if top else None}
 
 
+def forced(port: int, ids: list[int], lora: str | None, top: int = 5) -> list[list[list[float]]]:
+    """The server's next-token distribution at every position of ``ids``, teacher-forced in one prefill: per
+    position ``j`` (0 .. len(ids) - 1; the one that predicts token ``j + 1``, the last one the next token) the
+    top ``top`` ``[logprob, token]`` pairs. SGLang answers the input positions from the second token on (the
+    first has no distribution) and the last one as the first output token's."""
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": top}
+    if lora:
+        body["lora_path"] = lora
+    meta = ask(port, "/generate", body)["meta_info"]
+    rows = meta["input_top_logprobs"][1:] + meta["output_top_logprobs"][:1]
+    assert len(rows) == len(ids) and all(rows), f"{len(rows)} distributions for {len(ids)} positions"
+    return [[[lp, tok] for lp, tok, *_ in row] for row in rows]
+
+
 def wave(port: int, jobs: list[tuple[list[int], str | None]], new_tokens: int, logprobs: bool = False) -> list[dict]:
     """Every ``(prompt ids, adapter)`` of ``jobs`` at once, one thread each; answers in the jobs' order."""
     with ThreadPoolExecutor(len(jobs)) as pool:

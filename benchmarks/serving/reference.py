@@ -22,6 +22,14 @@ benchmarks/results/fast_lora/fp8-L16/): ``--calibrate NAME`` takes the share fro
 request's: the no-LoRA server right by construction), and ``--rotated`` adds the control at the same share,
 each adapter run scored with every adapter request labelled as the next adapter (what a wrongly applied adapter
 looks like). ``--json``: every request's count, for the record.
+
+A run of teacher-forced prefills (``benchmarks/fast_lora/client.py forced``: the server's top-5 log-probabilities
+at every position of given tokens, no decoding) is scored by how far those log-probabilities lie from the fp32
+model's for the same tokens: the *error* of a position is the mean absolute difference over its five tokens, in
+nats. No threshold: two servers' errors are compared adapter by adapter (the same tokens on every server), with
+the no-LoRA server's as the floor of the base model's serving (bf16 logits, w8a8 where the model is fp8) and the
+rotated control as what a wrongly applied adapter gives. A count of bad greedy positions moves in whole tokens
+and only where a near-tie flips; this error moves with every logit, so a small defect shows in it first.
 """
 
 from __future__ import annotations
@@ -86,32 +94,86 @@ class Reference:
             else:
                 state[f"{module}.weight"] += delta
 
+    def _logprobs(self, ids: list[int]) -> torch.Tensor:
+        return torch.log_softmax(self.model(torch.tensor([ids], device=self.device)).logits[0].float(), dim=-1)
+
     @torch.no_grad()
-    def score(self, prompt: list[int], output: list[int]) -> dict:
-        ids = torch.tensor([prompt + output], device=self.device)
-        logprobs = torch.log_softmax(self.model(ids).logits[0].float(), dim=-1)
-        rows = logprobs[len(prompt) - 1 : len(prompt) - 1 + len(output)]
+    def score(self, prompt: list[int], output: list[int], top: list | None = None) -> dict:
+        """The server's greedy ``output`` after ``prompt``: its bad positions, and with ``top`` (the server's top
+        log-probabilities at each output position) their error as ``forced_error`` measures it."""
+        rows = self._logprobs(prompt + output)[len(prompt) - 1 : len(prompt) - 1 + len(output)]
         chosen = rows[torch.arange(len(output)), torch.tensor(output, device=self.device)]
         gap = rows.max(dim=-1).values - chosen
         bad = (gap > NATS).nonzero().flatten().tolist()
-        return {"bad": len(bad), "first_bad": bad[0] if bad else None, "gap_median": float(gap.median()),
-                "positions": len(output)}
+        scored = {"bad": len(bad), "first_bad": bad[0] if bad else None, "gap_median": float(gap.median()),
+                  "positions": len(output)}
+        if top:
+            scored["error"] = top_error(rows, top)["error"]
+        return scored
+
+    @torch.no_grad()
+    def forced_error(self, prompt: list[int], top: list[list[list[float]]]) -> dict:
+        """The served top log-probabilities ``top`` (per position of ``prompt``, ``[logprob, token]`` pairs)
+        against this model's for the same tokens (``top_error``)."""
+        return top_error(self._logprobs(prompt), top)
 
 
-def rotated(run: dict) -> dict:
-    """``run`` with every adapter request labelled as the next of the run's adapters by name (the last as the
-    first): the wrong side. Base requests stay."""
-    names = sorted({r["adapter"] for r in run["requests"] if r["adapter"]})
+def top_error(logprobs: torch.Tensor, top: list[list[list[float]]]) -> dict:
+    """Served ``[logprob, token]`` pairs (per row of ``logprobs``, the reference's log-probabilities at the same
+    positions) against the reference's for those tokens: the mean absolute difference at each position, as its
+    mean and worst, and the share of positions whose served best token is the reference's."""
+    tokens = torch.tensor([[int(tok) for _, tok in row] for row in top], device=logprobs.device)
+    served = torch.tensor([[lp for lp, _ in row] for row in top], device=logprobs.device)
+    error = (served - logprobs.gather(1, tokens)).abs().mean(dim=1)
+    agree = tokens[:, 0] == logprobs.argmax(dim=-1)
+    return {"error": float(error.mean()), "worst": float(error.max()), "agree": float(agree.float().mean())}
+
+
+def rotated(run: dict, key: str = "requests") -> dict:
+    """``run`` with every adapter request (of ``run[key]``) labelled as the next of the run's adapters by name (the
+    last as the first): the wrong side. Base requests stay."""
+    names = sorted({r["adapter"] for r in run[key] if r["adapter"]})
     following = dict(zip(names, names[1:] + names[:1]))
     return {**run, "name": f"{run['name']} rotated",
-            "requests": [{**r, "adapter": following.get(r["adapter"], r["adapter"])} for r in run["requests"]]}
+            key: [{**r, "adapter": following.get(r["adapter"], r["adapter"])} for r in run[key]]}
+
+
+def forced_verdict(ref: Reference, runs: list[tuple[str, dict]], with_rotated: bool = False,
+                   scores: dict | None = None) -> str:
+    """The teacher-forced runs' errors: one row per run, one column per adapter (and the base model), each the
+    mean error over that kind's requests and positions, with the worst request's mean and the share of positions
+    whose best token is the reference's."""
+    if with_rotated:
+        runs = runs + [(path, rotated(run, "forced")) for path, run in runs if any(r["adapter"] for r in run["forced"])]
+    table: dict[str, dict[str, list[dict]]] = {}
+    for _, run in runs:
+        rows = table.setdefault(run["name"], {})
+        for request in sorted(run["forced"], key=lambda r: r["adapter"] or ""):
+            ref.use(request["adapter"])
+            rows.setdefault(request["adapter"] or "base", []).append(ref.forced_error(request["prompt"], request["top"]))
+    kinds = sorted({kind for rows in table.values() for kind in rows}, key=lambda k: (k != "base", k))
+    lines = ["", "Teacher-forced prefills: the served top-5 log-probabilities at every position against the fp32 "
+             "model's for the same tokens, mean absolute difference (nats); per kind: the mean over its requests, "
+             "[the worst request's], (the share of positions whose best token is the reference's).",
+             "   run".ljust(22) + "".join(f"{kind:>26}" for kind in kinds)]
+    for name, rows in table.items():
+        cells = []
+        for kind in kinds:
+            got = rows.get(kind)
+            cells.append(f"{statistics.mean(r['error'] for r in got):.4f} [{max(r['error'] for r in got):.4f}] "
+                         f"({statistics.mean(r['agree'] for r in got):.3f})" if got else "-")
+        lines.append(f"   {name:<19}" + "".join(f"{c:>26}" for c in cells))
+        if scores is not None:
+            scores[f"{name} forced"] = {kind: [round(r["error"], 5) for r in got] for kind, got in rows.items()}
+    return "\n".join(lines)
 
 
 def score_run(ref: Reference, run: dict) -> dict[str, list[dict]]:
     scored: dict[str, list[dict]] = {}
     for request in sorted(run["requests"], key=lambda r: r["adapter"] or ""):
         ref.use(request["adapter"])
-        scored.setdefault(request["adapter"] or "base", []).append(ref.score(request["prompt"], request["output"]))
+        scored.setdefault(request["adapter"] or "base", []).append(
+            ref.score(request["prompt"], request["output"], request.get("top")))
     return scored
 
 
@@ -140,15 +202,18 @@ def verdict(ref: Reference, runs: list[str], calibrate: str | None = None, with_
         if scores is not None:
             scores[run["name"]] = {adapter: [r["bad"] for r in rows] for adapter, rows in scored.items()}
         lines += ["", f"== {run['name']} ({path}): {len(run['requests'])} requests, {run.get('failed', 0)} failed",
-                  "   adapter  requests  right  bad positions  first bad token (median)  median gap (nats)"]
+                  "   adapter  requests  right  bad positions  first bad token (median)  median gap (nats)"
+                  "  top-5 error (nats)"]
         for adapter, rows in scored.items():
             right = sum(r["bad"] <= max_bad(r["positions"], share) for r in rows)
             first = [r["first_bad"] for r in rows if r["bad"] > max_bad(r["positions"], share)]
             positions = sum(r["positions"] for r in rows)
             median_first = statistics.median(first) if first else "-"
             median_gap = statistics.median(r["gap_median"] for r in rows)
+            errors = [r["error"] for r in rows if "error" in r]
+            error = f"{statistics.mean(errors):.4f}" if errors else "-"
             lines.append(f"   {adapter:<8} {len(rows):>8}  {right:>5}  {sum(r['bad'] for r in rows):>5}/{positions:<7}"
-                         f"  {median_first:>24}  {median_gap:>17.3f}")
+                         f"  {median_first:>24}  {median_gap:>17.3f}  {error:>18}")
         counts = [(r["bad"], r["positions"]) for rows in scored.values() for r in rows]
         right = [c for c, n in counts if c <= max_bad(n, share)]
         wrong = [c for c, n in counts if c > max_bad(n, share)]
@@ -170,7 +235,16 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="SCORES.json", help="every request's bad positions, by run and adapter")
     args = parser.parse_args(argv)
     scores: dict = {}
-    text = verdict(Reference(args.model, args.lora, args.device), args.runs, args.calibrate, args.rotated, scores)
+    ref = Reference(args.model, args.lora, args.device)
+    loaded = {}
+    for path in args.runs:
+        with open(path) as f:
+            loaded[path] = json.load(f)
+    greedy = [path for path, run in loaded.items() if "requests" in run]
+    forced = [(path, run) for path, run in loaded.items() if "forced" in run]
+    text = verdict(ref, greedy, args.calibrate, args.rotated, scores) if greedy else ""
+    if forced:
+        text += forced_verdict(ref, forced, args.rotated, scores)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -1,6 +1,7 @@
 """A stand-in for ``python3 -m sglang.launch_server`` in the tests of the benchmarks' server helpers: an
 HTTP server on ``--port`` whose ``/health`` answers after ``FAKE_UP_AFTER_S`` seconds and whose
-``/generate`` returns ``max_new_tokens`` ids (the prompt's last id plus one, counting up); with
+``/generate`` returns ``max_new_tokens`` ids (the prompt's last id plus one, counting up) and, asked for the
+input's log-probabilities, made-up ones laid out as SGLang lays them out; with
 ``FAKE_EXIT=1`` it exits at once instead."""
 
 import json
@@ -32,8 +33,16 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        last, count = body["input_ids"][-1], body["sampling_params"]["max_new_tokens"]
-        self._answer(200, {"output_ids": [last + 1 + k for k in range(count)]})
+        ids, count = body["input_ids"], body["sampling_params"]["max_new_tokens"]
+        answer = {"output_ids": [ids[-1] + 1 + k for k in range(count)]}
+        if body.get("return_logprob") and body.get("logprob_start_len") == 0:
+            # As SGLang lays them out: entry i >= 1 of the input's is the distribution that predicts token i, the
+            # last position's is the first output token's. Here position j's best tokens are ids[j] + 1, + 2, ...
+            def top(j):
+                return [[-0.5 * k, ids[j] + 1 + k, None] for k in range(body.get("top_logprobs_num", 0))]
+            answer["meta_info"] = {"input_top_logprobs": [None] + [top(j) for j in range(len(ids) - 1)],
+                                   "output_top_logprobs": [top(len(ids) - 1)]}
+        self._answer(200, answer)
 
 
 print(f"sglang-lora-tma-guard: the fake server's one guard line (args: {' '.join(sys.argv[1:])})", flush=True)
