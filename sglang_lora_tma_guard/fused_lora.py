@@ -17,7 +17,7 @@ SGLang's launcher untouched, and ``after_down`` then adds the delta itself: an o
 taken costs nothing and loses nothing. Not under ``torch.compile`` (the hooks' custom ops run there).
 
 Where it runs: ``=fast`` places it for the batches it is measured faster on (:data:`FASTER_FROM_ROUTES`:
-by max rank and batch size; block-fp8 experts, a down GEMM of K :data:`FASTER_AT_K`); every other batch keeps
+by the down GEMM's K, max rank and batch size; block-fp8 experts); every other batch keeps
 the hook's expand.
 :func:`activate` with ``everywhere`` takes every batch it covers (tests, benchmarks). Right:
 ``tests/test_fast_lora.py``, ``tests/test_fused_lora.py``; measured: ``docs/lora_moe_floor.md``.
@@ -45,18 +45,22 @@ SGLang's tile), the fastest variants on the GLM-5.1 TP8 down GEMM (``benchmarks/
 128-wide columns up to rank 32; past it the epilogue's tiles crowd the accumulator's registers, 64-wide columns.
 Where two pipeline stages of the column loop would not fit the GPU's shared memory (a long K: Qwen3-30B-A3B's
 768 at tp 1 is six K tiles), one (:func:`wide_tile`)."""
-FASTER_FROM_ROUTES = ((8, 32768), (16, 16384), (32, 65536))
-"""Where ``=fast`` takes the fused down launch: (up to that max rank, from that many routes), block-fp8
-experts; none past rank 32. Measured on an H200 (``benchmarks/down_gemm.py``, the GLM-5.1 TP8 down GEMM;
-``benchmarks/results/lora_moe/down-gemm/``), the down side of a hooked call fused against unfused, ms:
-rank 16 0.29 / 0.27 at 1024 tokens, 0.37 / 0.40 at 2048, 0.49 / 0.62 at 4096, 0.73 / 1.07 at 8192 (top-8:
-8 routes a token); rank 8 0.42 / 0.39 at 2048, 0.56 / 0.64 at 4096; rank 32 0.79 / 0.72 at 4096, 1.08 /
-1.27 at 8192; ranks up to 64 slower at every size (1.34 / 1.23 at 8192)."""
-FASTER_AT_K = 256
-"""The down GEMM's K (a shard's expert intermediate width) where ``=fast`` takes the fused launch: GLM-5.1's and
-DeepSeek-V3's at TP8, two K tiles, where it is measured faster. With six (Qwen3-30B-A3B at tp 1, one pipeline
-stage) it is slower: rank 16 0.81 / 0.76 ms at 8192 tokens, 0.35 / 0.26 at 2048, fused / unfused on an H100
-(``benchmarks/results/lora_moe/fused-qwen3/``); other widths are not measured."""
+FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 65536)), 384: ((32, 65536),)}
+"""Where ``=fast`` takes the fused down launch, by the down GEMM's K (a shard's expert intermediate width): (up
+to that max rank, from that many routes, tokens x top-k), block-fp8 experts; none past rank 32, none at a K not
+named. Measured with ``benchmarks/down_gemm.py``, the down side of a hooked call fused against unfused, ms:
+
+- K 256, GLM-5.1 and DeepSeek-V3 at TP8, on an H200 (``benchmarks/results/lora_moe/down-gemm/``): rank 16
+  0.29 / 0.27 at 1024 tokens, 0.37 / 0.40 at 2048, 0.49 / 0.62 at 4096, 0.73 / 1.07 at 8192; rank 8 0.42 / 0.39
+  at 2048, 0.56 / 0.64 at 4096; rank 32 0.79 / 0.72 at 4096, 1.08 / 1.27 at 8192; ranks up to 64 slower at every
+  size (1.34 / 1.23 at 8192).
+- K 384, Qwen3-30B-A3B at tp 2, on an H100 only (``benchmarks/results/lora_moe/fused-qwen3-tp2/``): ranks 8, 16
+  and 32 0.42 / 0.61, 0.45 / 0.63, 0.44 / 0.64 at 8192 tokens; 0.26 / 0.32, 0.27 / 0.33, 0.27 / 0.34 at 4096;
+  0.19 / 0.20 at 2048. Taken from 8192 tokens only, a margin an H200 (whose unfused side is relatively faster:
+  at K 256 the H100 pays one size earlier) is unlikely to close.
+- K 768, Qwen3-30B-A3B at tp 1, six K tiles and one pipeline stage: slower, rank 16 0.81 / 0.76 at 8192 tokens,
+  0.35 / 0.26 at 2048 on an H100 (``benchmarks/results/lora_moe/fused-qwen3/``). Other widths are not measured.
+"""
 _everywhere = False
 _failed: dict[tuple, str] = {}
 """Down GEMMs (:meth:`DownWork.key`) whose fused launch raised in this process, and why: refused from then on
@@ -133,8 +137,6 @@ class DownWork:
             return f"LoRA rank {self.max_rank} (the fused epilogue takes up to {MAX_RANK})"
         if not _everywhere and not a["use_fp8_w8a8"]:
             return "16-bit experts (the fused down GEMM is measured faster over block-fp8 experts only)"
-        if not _everywhere and A.shape[1] != FASTER_AT_K:
-            return f"a down GEMM of K {A.shape[1]} (the fused down GEMM is measured faster at K {FASTER_AT_K} only)"
         failed = _failed.get(self.key(a)) if _failed else None  # no key built on every launch while none failed
         return f"its fused launch failed here before ({failed})" if failed else None
 
@@ -215,14 +217,17 @@ def _take_offer() -> DownWork | None:
     return work
 
 
-def ready(routes: int, max_rank: int) -> bool:
-    """Would a fused down launch be taken here now for a batch of ``routes`` routes (tokens x top-k) and
-    adapters up to ``max_rank``? (The launcher placed and on, no compilation; placed by ``=fast``, only where
-    it is measured faster.) Asked for every fast batch: a few reads while nothing placed it, as in every server."""
+def ready(routes: int, max_rank: int, k: int) -> bool:
+    """Would a fused down launch be taken here now for a batch of ``routes`` routes (tokens x top-k), adapters up
+    to ``max_rank`` and a down GEMM of K ``k``? (The launcher placed and on, no compilation; placed by ``=fast``,
+    only where it is measured faster.) Asked for every fast batch: a few reads while nothing placed it, as in
+    every server."""
     if not PATCH.wanted:
         return False
-    if not _everywhere and routes < next((n for rank, n in FASTER_FROM_ROUTES if max_rank <= rank), routes + 1):
-        return False
+    if not _everywhere:
+        from_routes = next((n for rank, n in FASTER_FROM_ROUTES.get(k, ()) if max_rank <= rank), None)
+        if from_routes is None or routes < from_routes:
+            return False
     import torch
 
     return not torch.compiler.is_compiling() and PATCH.status().working  # Dynamo never reads the lock

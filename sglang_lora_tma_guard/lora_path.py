@@ -154,7 +154,7 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
     shape = tuple(topk_ids.shape)
     theirs = []
     down_work = None
-    if fused_lora.ready(tokens * topk, r):
+    if fused_lora.ready(tokens * topk, r, lora_info.down_lora_a_weights.shape[3]):
         down_work = fused_lora.DownWork(topk_ids, lora_info.down_lora_a_weights, lora_info.down_lora_b_weights,
                                         routing, token_lora, enabled, ranks, r, tiles.down)
 

@@ -397,9 +397,9 @@ def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, r
 
 def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglang_plugins, runners, monkeypatch):
     """``=fast`` places the fused down launch, for batches of adapters up to rank 32 over block-fp8 experts
-    with at least the routes ``FASTER_FROM_ROUTES`` names for their max rank, at the down GEMM's K where it is
-    measured faster (``FASTER_AT_K``): a batch short of that size, one with a rank-64 adapter, or one of another
-    K keeps SGLang's down GEMM and the hook; a rank-16 batch at the size and the K is taken. Right either way."""
+    with at least the routes ``FASTER_FROM_ROUTES`` names for their max rank at their down GEMM's K: a batch short
+    of that size, one with a rank-64 adapter, or one of a K the table does not name keeps SGLang's down GEMM and the
+    hook; a rank-16 batch at the size and the K is taken. Right either way."""
     from sglang_lora_tma_guard import fused_lora
 
     taken = []
@@ -408,15 +408,15 @@ def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglan
     sglang_plugins("fast")
     assert fused_lora.PATCH.status().working
     low, mixed = make_case("mixed-ranks-top2", seed=1, ranks=(8, 16, 4, 16)), make_case("mixed-ranks-top2", seed=1)
-    monkeypatch.setattr(fused_lora, "FASTER_AT_K", low[0].w2.shape[2] + 1)  # another K: not taken at any size
-    monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", ((8, 10**9), (16, TOKENS * 2), (32, 10**9)))
+    k = low[0].w2.shape[2]  # the tiny case's
+    monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", {k + 1: ((8, 1), (16, 1), (32, 1))})  # not at its K
+    assert not fused_lora.ready(TOKENS * 2, 16, k) and fused_lora.ready(TOKENS * 2, 16, k + 1)
     other_k = real_lora.run_runner(low[0], real_lora.lora_hooks(*low), use_tma=True)
     assert tiny_moe.rel_err(other_k, expected_moe(low[0], ReferenceLoRAHooks(low[1]))) < 1e-2
     assert taken == []
-    monkeypatch.setattr(fused_lora, "FASTER_AT_K", low[0].w2.shape[2])  # the tiny case's K
     outputs = {}
     for min_routes in (TOKENS * 2 + 1, TOKENS * 2):  # the tiny case's routes: one short of the size, then at it
-        monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", ((8, 10**9), (16, min_routes), (32, 10**9)))
+        monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", {k: ((8, 10**9), (16, min_routes), (32, 10**9))})
         for label, (problem, info) in {"low": low, "mixed": mixed}.items():
             outputs[label, min_routes] = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
             assert tiny_moe.rel_err(outputs[label, min_routes], expected_moe(problem, ReferenceLoRAHooks(info))) < 1e-2

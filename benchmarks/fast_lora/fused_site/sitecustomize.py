@@ -3,7 +3,7 @@
 Python process of the server that finds this folder on its path (launcher, tokenizer, scheduler), at
 start-up, before SGLang is imported (the launcher is placed when SGLang imports its fused-MoE module).
 ``=fast`` places it too, but takes only the batches it is measured faster on (block-fp8 experts, large
-batches, ranks up to 32, a down GEMM of K 256: ``fused_lora.FASTER_FROM_ROUTES``, ``FASTER_AT_K``); this server
+batches, ranks up to 32, a down GEMM of K 256 or 384: ``fused_lora.FASTER_FROM_ROUTES``); this server
 takes it for every batch it covers, 16-bit experts, other K and the rank-64 adapter included, to show it right
 in a real server against the fp32 reference, and to time it."""
 
