@@ -29,9 +29,11 @@ rm -f "$site"/sgl_kernel/flash_ops*.so "$site"/sgl_kernel/*/flash_ops*.so
 rm -rf "$site"/sgl_kernel/sm100 "$site"/sgl_kernel/infllm_ops*.so "$site"/sgl_kernel/flashmla_ops*.so
 find "$site" -name '*.a' -path '*xgrammar*' -delete
 find "$site" -name '__pycache__' -prune -exec rm -rf {} +
-# Two parts of under 60 MB each: sglang's own tree and sgl_kernel in one, everything else in the other.
-(cd "$site" && tar -cJf "$kit/part1.tar.xz" sglang sgl_kernel)
-(cd "$site" && tar -cJf "$kit/part2.tar.xz" --exclude=./sglang --exclude=./sgl_kernel .)
+# Two parts of about 36 MB each (each call carries one beside the working tree, 64 MiB in all): sglang's own
+# tree, sgl_kernel, xgrammar and cuda-python in one, everything else in the other.
+first=(sglang sgl_kernel xgrammar cuda)
+(cd "$site" && tar -cJf "$kit/part1.tar.xz" "${first[@]}")
+(cd "$site" && tar -cJf "$kit/part2.tar.xz" "${first[@]/#/--exclude=./}" .)
 rm -f "$kit"/sglang_lora_tma_guard-*.whl
 python3 -m pip wheel -q --no-deps -w "$kit" "$root"
 du -sh "$kit"/part*.tar.xz "$kit/extra" "$kit"/sglang_lora_tma_guard-*.whl
