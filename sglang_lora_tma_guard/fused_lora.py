@@ -43,8 +43,16 @@ WIDE_TILES = ((32, 16, {"num_stages": 2}), (MAX_RANK, 16, {"BLOCK_N": 64, "num_s
 SGLang's tile), the fastest variants on the GLM-5.1 TP8 down GEMM (``benchmarks/down_gemm.py``,
 ``benchmarks/results/lora_moe/late-b/``): with each adapter's B tile loaded just before its GEMM, SGLang's
 128-wide columns up to rank 32; past it the epilogue's tiles crowd the accumulator's registers, 64-wide columns.
-Where two pipeline stages of the column loop would not fit the GPU's shared memory (a long K: Qwen3-30B-A3B's
-768 at tp 1 is six K tiles), one (:func:`wide_tile`)."""
+Other K tile counts measured to want other tiles: :data:`WIDE_TILES_BY_K_TILES`. Where two pipeline stages of the
+column loop would not fit the GPU's shared memory (a long K: Qwen3-30B-A3B's 768 at tp 1 is six K tiles), one
+(:func:`wide_tile`)."""
+WIDE_TILES_BY_K_TILES = {3: ((MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2}),)}
+""":data:`WIDE_TILES` for a down GEMM of that many K tiles. Three (Qwen3-30B-A3B at tp 2, K 384): 64-wide columns
+at every rank; the wide GEMM alone on an H100, ranks 8–32, against 128-wide columns
+(``benchmarks/results/lora_moe/fused-qwen3-tp2/``): 0.37–0.40 ms against 0.41–0.52 at 8192 tokens, 0.24–0.25
+against 0.26–0.33 at 4096, 0.18–0.19 against 0.20–0.23 at 2048. (Six, Qwen3 tp 1's 768, not taken by ``=fast``:
+128-wide columns in one stage are 7–9% faster at 8192 tokens, 64-wide ones in two 3–5% faster at 2048,
+``.../fused-qwen3/``.)"""
 FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 65536)), 384: ((32, 65536),)}
 """Where ``=fast`` takes the fused down launch, by the down GEMM's K (a shard's expert intermediate width): (up
 to that max rank, from that many routes, tokens x top-k), block-fp8 experts; none past rank 32, none at a K not
@@ -54,10 +62,11 @@ named. Measured with ``benchmarks/down_gemm.py``, the down side of a hooked call
   0.29 / 0.27 at 1024 tokens, 0.37 / 0.40 at 2048, 0.49 / 0.62 at 4096, 0.73 / 1.07 at 8192; rank 8 0.42 / 0.39
   at 2048, 0.56 / 0.64 at 4096; rank 32 0.79 / 0.72 at 4096, 1.08 / 1.27 at 8192; ranks up to 64 slower at every
   size (1.34 / 1.23 at 8192).
-- K 384, Qwen3-30B-A3B at tp 2, on an H100 only (``benchmarks/results/lora_moe/fused-qwen3-tp2/``): ranks 8, 16
-  and 32 0.42 / 0.61, 0.45 / 0.63, 0.44 / 0.64 at 8192 tokens; 0.26 / 0.32, 0.27 / 0.33, 0.27 / 0.34 at 4096;
-  0.19 / 0.20 at 2048. Taken from 8192 tokens only, a margin an H200 (whose unfused side is relatively faster:
-  at K 256 the H100 pays one size earlier) is unlikely to close.
+- K 384, Qwen3-30B-A3B at tp 2, on an H100 only (``benchmarks/results/lora_moe/fused-qwen3-tp2/``, 64-wide
+  columns): ranks 8, 16 and 32 0.42 / 0.61, 0.45 / 0.63, 0.44 / 0.64 at 8192 tokens; 0.26 / 0.32, 0.27 / 0.33,
+  0.27 / 0.34 at 4096; ranks 16 and 32 0.20 / 0.20 and 0.20 / 0.21 at 2048. Taken from 8192 tokens only, a
+  margin an H200 (whose unfused side is relatively faster: at K 256 the H100 pays one size earlier) is unlikely
+  to close.
 - K 768, Qwen3-30B-A3B at tp 1, six K tiles and one pipeline stage: slower, rank 16 0.81 / 0.76 at 8192 tokens,
   0.35 / 0.26 at 2048 on an H100 (``benchmarks/results/lora_moe/fused-qwen3/``). Other widths are not measured.
 """
@@ -177,8 +186,9 @@ class DownWork:
 
 def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_bytes: int = 1,
               shared_bytes: int | None = None) -> tuple[dict, int]:
-    """The down GEMM's tile from SGLang's ``config`` and its column tiles a program: :data:`WIDE_TILES`' for
-    ``max_rank`` where the wide kernel takes K (``k`` in at most ``WIDE_K_TILES`` tiles), else SGLang's and 0.
+    """The down GEMM's tile from SGLang's ``config`` and its column tiles a program: :data:`WIDE_TILES`' (or
+    :data:`WIDE_TILES_BY_K_TILES`') for ``max_rank`` where the wide kernel takes K (``k`` in at most
+    ``WIDE_K_TILES`` tiles), else SGLang's and 0.
     ``shared_bytes``: what a program may use on the GPU; one pipeline stage where two would not fit (weights of
     ``weight_bytes`` an element)."""
     from .moe_gemm import WIDE_K_TILES, cdiv, tile, wide_shared_bytes
@@ -187,7 +197,8 @@ def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_b
     k_tiles = cdiv(k, gemm_tile["BLOCK_K"])
     if k_tiles > WIDE_K_TILES:
         return gemm_tile, 0
-    n_tiles, change = next((n, change) for rank, n, change in WIDE_TILES if max_rank <= rank)
+    tiles = WIDE_TILES_BY_K_TILES.get(k_tiles, WIDE_TILES)
+    n_tiles, change = next((n, change) for rank, n, change in tiles if max_rank <= rank)
     wide = {**gemm_tile, **change}
     if shared_bytes is not None and wide_shared_bytes(wide, k_tiles, max_rank, weight_bytes) > shared_bytes:
         wide["num_stages"] = 1
