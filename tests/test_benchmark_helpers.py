@@ -219,6 +219,15 @@ def test_a_profile_says_where_the_host_paced_the_gpu(tmp_path):
         json.dump({"traceEvents": events}, f)
     summary = profile.summarize(str(path))
     assert summary["steps"] == 1
+
+    # Decode steps replayed from CUDA graphs, without stacks: no op runs on the host, a graph launch a step.
+    replayed = [x("cuda_runtime", "cudaGraphLaunch", 1000 * i, 20, 10 + i) for i in range(3)] + [
+        x("kernel", "fused_moe_kernel", 1000 * i + 30, 600, 10 + i) for i in range(3)]
+    graphs = tmp_path / "decode-TP-0.trace.json.gz"
+    with gzip.open(graphs, "wt") as f:
+        json.dump({"traceEvents": replayed}, f)
+    decode = profile.summarize(str(graphs))
+    assert decode["steps"] == 3 and decode["kernels_ms"] == {"moe_base": 0.6}
     assert summary["host_bound"] == {
         "idle_ms": {"dense_gemm": 0.15, "moe_lora": 0.14},  # 520 - 370, 320 - 180
         # Between launch ends on each thread: 40 - 10, 310 - 40; 335 - 310; 510 - 335; tid 2's first launch: none.

@@ -4,7 +4,8 @@
 
 For each trace under TRACE_DIR (``prefill-TP-0.trace.json.gz`` and ``decode-TP-0...`` from client.py;
 SGLang's own by-stage names, ``...-EXTEND...`` and ``...-DECODE...``, read the same): the steps it holds
-(calls of the model runner's ``forward``; in a trace taken without stacks, of the token embedding), the
+(calls of the model runner's ``forward``; in a trace taken without stacks, of the token embedding, or where
+CUDA graphs replay the steps, launches of a graph), the
 wall span of its GPU work, the time the GPU was busy (the union of its kernels and copies), the kernels'
 time by category (table below, first match wins), the host's time in SGLang's per-batch LoRA preparation
 (``LoRAManager.prepare_lora_batch``) and in this package's Python, callees included (on the fast path its
@@ -41,6 +42,8 @@ STEP = re.compile(r"model_runner\.py\(\d+\): forward$")
 MODULE_LOAD = re.compile(r"^cu(Module|Library)Load")
 STEP_OP = "aten::embedding"
 """Without stacks: the op that runs once a step (the token embedding)."""
+GRAPH_LAUNCH = "cudaGraphLaunch"
+"""A step replayed from a CUDA graph (decode) runs no op on the host: it is one launch of its graph."""
 LORA_PREP = re.compile(r"lora_manager\.py\(\d+\): prepare_lora_batch$")
 OURS = re.compile(r"sglang_lora_tma_guard/")
 WAIT = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$")
@@ -131,7 +134,8 @@ def summarize(path: str) -> dict:
     kernels = [e for e in gpu if e["cat"] == "kernel"]
     python = [e for e in events if e.get("cat") == "python_function"]
     steps = (sum(1 for e in python if STEP.search(e["name"]))  # with stacks
-             or sum(1 for e in events if e.get("cat") == "cpu_op" and e["name"] == STEP_OP) or None)
+             or sum(1 for e in events if e.get("cat") == "cpu_op" and e["name"] == STEP_OP)
+             or sum(1 for e in events if e.get("cat") == "cuda_runtime" and e["name"] == GRAPH_LAUNCH) or None)
     per = 1.0 / (1000.0 * (steps or 1))
     by_category: dict[str, float] = collections.Counter()
     by_kernel: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
