@@ -47,8 +47,8 @@ Other K tile counts measured to want other tiles: :data:`WIDE_TILES_BY_K_TILES`.
 column loop would not fit the GPU's shared memory (a long K: Qwen3-30B-A3B's 768 at tp 1 is six K tiles), one
 (:func:`wide_tile`)."""
 WIDE_TILES_BY_K_TILES = {3: ((MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2}),)}
-""":data:`WIDE_TILES` for a down GEMM of that many K tiles. Three (Qwen3-30B-A3B at tp 2, K 384): 64-wide columns
-at every rank; the wide GEMM alone on an H100, ranks 8–32, against 128-wide columns
+""":data:`WIDE_TILES` for a down GEMM of that many K tiles. Three (block fp8's K tiles of 128: Qwen3-30B-A3B at tp
+2, K 384): 64-wide columns at every rank; the wide GEMM alone on an H100, ranks 8–32, against 128-wide columns
 (``benchmarks/results/lora_moe/fused-qwen3-tp2/``): 0.37–0.40 ms against 0.41–0.52 at 8192 tokens, 0.24–0.25
 against 0.26–0.33 at 4096, 0.18–0.19 against 0.20–0.23 at 2048. (Six, Qwen3 tp 1's 768, not taken by ``=fast``:
 128-wide columns in one stage are 7–9% faster at 8192 tokens, 64-wide ones in two 3–5% faster at 2048,

@@ -72,19 +72,21 @@ VOCAB = 2048  # make_model.py's
 
 def forced_run(port: int, lora: bool) -> dict:
     kinds = [None, *ADAPTERS] if lora else [None]
-    def ids(i: int, kind: str | None) -> list[int]:  # the same tokens for a prompt and kind on every server
+
+    def tokens_for(i: int, kind: str | None) -> list[int]:  # the same tokens for a prompt and kind on every server
         draw = random.Random(f"{i}-{kind}")
         return [draw.randrange(3, VOCAB) for _ in range(FORCED_LENGTH)]
 
-    jobs = [(f"p{i}-{kind or 'base'}", ids(i, kind), kind) for i in range(int(os.environ.get("PROMPTS", "8")))
-            for kind in kinds]
+    jobs = [(f"p{i}-{kind or 'base'}", tokens_for(i, kind), kind)
+            for i in range(int(os.environ.get("PROMPTS", "8"))) for kind in kinds]
     alone = [job for job in jobs if job[0].startswith("p0-")]
     together = [job for job in jobs if not job[0].startswith("p0-")]
-    tops = [forced(port, ids, kind) for _, ids, kind in alone]
+    tops = [forced(port, prompt, kind) for _, prompt, kind in alone]
     with ThreadPoolExecutor(max(1, len(together))) as pool:
         tops += list(pool.map(lambda job: forced(port, job[1], job[2]), together))
-    return {"forced": [{"key": key, "prompt": ids, "adapter": kind, "top": top, "batch": "alone" if i < len(alone) else "wave"}
-                       for i, ((key, ids, kind), top) in enumerate(zip(alone + together, tops))]}
+    return {"forced": [{"key": key, "prompt": prompt, "adapter": kind, "top": top,
+                        "batch": "alone" if i < len(alone) else "wave"}
+                       for i, ((key, prompt, kind), top) in enumerate(zip(alone + together, tops))]}
 
 
 @contextlib.contextmanager
