@@ -56,7 +56,8 @@ against 0.26–0.33 at 4096, 0.18–0.19 against 0.20–0.23 at 2048. (Six, Qwen
 FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 65536)), 384: ((32, 65536),)}
 """Where ``=fast`` takes the fused down launch, by the down GEMM's K (a shard's expert intermediate width): (up
 to that max rank, from that many routes, tokens x top-k), block-fp8 experts; none past rank 32, none at a K not
-named. Measured with ``benchmarks/down_gemm.py``, the down side of a hooked call fused against unfused, ms:
+named. Measured with ``benchmarks/down_gemm.py`` (``benchmarks/fused_policy.py`` reads such a table's thresholds at
+the placed tile), the down side of a hooked call fused against unfused, ms:
 
 - K 256, GLM-5.1 and DeepSeek-V3 at TP8, on an H200 (``benchmarks/results/lora_moe/down-gemm/``): rank 16
   0.29 / 0.27 at 1024 tokens, 0.37 / 0.40 at 2048, 0.49 / 0.62 at 4096, 0.73 / 1.07 at 8192; rank 8 0.42 / 0.39
@@ -65,8 +66,8 @@ named. Measured with ``benchmarks/down_gemm.py``, the down side of a hooked call
 - K 384, Qwen3-30B-A3B at tp 2, on an H100 only (``benchmarks/results/lora_moe/fused-qwen3-tp2/``, 64-wide
   columns): ranks 8, 16 and 32 0.42 / 0.61, 0.45 / 0.63, 0.44 / 0.64 at 8192 tokens; 0.26 / 0.32, 0.27 / 0.33,
   0.27 / 0.34 at 4096; ranks 16 and 32 0.20 / 0.20 and 0.20 / 0.21 at 2048. Taken from 8192 tokens only, a
-  margin an H200 (whose unfused side is relatively faster: at K 256 the H100 pays one size earlier) is unlikely
-  to close.
+  margin an H200 is unlikely to close: its unfused side is relatively faster (at K 256 the H100 pays earlier,
+  rank 32 from 2048 tokens against the H200's 8192).
 - K 768, Qwen3-30B-A3B at tp 1, six K tiles and one pipeline stage: slower, rank 16 0.81 / 0.76 at 8192 tokens,
   0.35 / 0.26 at 2048 on an H100 (``benchmarks/results/lora_moe/fused-qwen3/``). Other widths are not measured.
 """

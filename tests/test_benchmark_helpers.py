@@ -236,6 +236,32 @@ def test_a_profile_says_where_the_host_paced_the_gpu(tmp_path):
         "module_loads": {"count": 1, "ms": 0.09}}
 
 
+def test_the_fused_policy_is_read_from_down_gemm_tables_at_the_tile_the_package_places(capsys):
+    """``benchmarks/fused_policy.py`` on the H100 tables behind ``FASTER_FROM_ROUTES``' K 384 entry (with GLM-5.1's
+    K 256 and Qwen3 tp1's 768 beside them): the fused side at the placed tile (64-wide columns at three K tiles,
+    one stage at six), from the largest batch down while it pays."""
+    from benchmarks import fused_policy
+
+    results = REPO / "benchmarks" / "results" / "lora_moe"
+    rows = [row for path in sorted(results.glob("fused-qwen3*/**/down_gemm.json"))
+            for row in json.loads(path.read_text())["rows"]]
+    by_batch = {(r["shape"], r["ranks"], r["tokens"]): r for r in rows}
+    tp2 = by_batch["qwen3-30b-tp2", "r16", 4096]
+    assert fused_policy.placed_ms(tp2) == pytest.approx(
+        tp2["ms quantize"] + tp2["ms shrink"] + tp2[fused_policy.ORDERED + "N_TILES=16, BLOCK_N=64, num_stages=2"])
+    tp1 = by_batch["qwen3-30b-tp1", "r16", 8192]
+    assert fused_policy.placed_ms(tp1) == pytest.approx(
+        tp1["ms quantize"] + tp1["ms shrink"] + tp1[fused_policy.ORDERED + "N_TILES=16, num_stages=1"])
+
+    table, lines = fused_policy.policy(rows, margin=0.05)
+    assert len(lines) == len(rows)
+    # K 768 slower at every batch: no entry. K 384 rank 16 at 2048 tokens is 0.4% faster: not by 5%, so from 4096.
+    assert table == {256: ((16, 16384), (32, 16384)), 384: ((8, 32768), (16, 32768), (32, 32768))}
+    assert fused_policy.policy(rows, margin=0.0)[0][384] == ((8, 32768), (16, 16384), (32, 16384))
+    assert fused_policy.main([str(p) for p in sorted(results.glob("fused-qwen3-tp2/**/down_gemm.json"))]) == 0
+    assert "FASTER_FROM_ROUTES = {256: ((16, 16384), (32, 16384)), 384: " in capsys.readouterr().out
+
+
 def test_the_hooks_host_time_is_timed_with_the_launches_left_out_and_put_back(capsys):
     from benchmarks import hook_host_time
     from sglang_lora_tma_guard import lora_moe

@@ -1,0 +1,102 @@
+"""Where the fused down launch pays, read from ``benchmarks/down_gemm.py``'s tables: the table
+``sglang_lora_tma_guard.fused_lora.FASTER_FROM_ROUTES`` is set from.
+
+    python -m benchmarks.fused_policy DOWN_GEMM.json [DOWN_GEMM.json ...] [--margin 0.05]
+
+Per row of those tables (a shape, a rank set, a batch; block-fp8 experts, tables run with ``--parts "SGLang's list
+ordered"`` or all parts): the fused down side as ``=fast`` launches it, the fp8 quantization + the down shrink + the
+wide GEMM over SGLang's route list ordered by adapter at the tile ``fused_lora.wide_tile`` places on a Hopper GPU
+(one of the table's "SGLang's list ordered" rows), against SGLang's down GEMM + the hook (``fast``). Then, by the down
+GEMM's K and each rank set's max rank, the fewest routes (tokens x top-k) from which the fused side is at least
+``--margin`` faster at that batch and at every larger batch measured: what ``FASTER_FROM_ROUTES`` would hold. A
+batch measured in several tables pays only if it pays in each. Only tables of the kernels as the package now has
+them say where the package's launch pays (``benchmarks/results/lora_moe/README.md`` says which kernels each ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+
+from benchmarks._bench import SHAPES
+from harness import tables
+from harness.ptx import HOPPER_SHARED_BYTES
+from sglang_lora_tma_guard import fused_lora
+
+ORDERED = "ms SGLang's list ordered: wide + LoRA, "
+
+
+def max_rank(rank_set: str) -> int:
+    """``mixed`` (ranks 8/16/32/64) or ``rN`` (four adapters of rank N)."""
+    return 64 if rank_set == "mixed" else int(rank_set.removeprefix("r"))
+
+
+def variant(label: str) -> tuple[int, dict] | None:
+    """``N_TILES=16, BLOCK_N=64, num_stages=2`` as (16, {"BLOCK_N": 64, "num_stages": 2}); None for a variant of
+    a kernel switch the package no longer has (``LATE_B=True``)."""
+    fields = dict(field.split("=") for field in label.split(", "))
+    if not all(value.isdigit() for value in fields.values()):
+        return None
+    return int(fields.pop("N_TILES")), {name: int(value) for name, value in fields.items()}
+
+
+def placed_ms(row: dict) -> float | None:
+    """The row's fused down side at the tile ``fused_lora.wide_tile`` places, ms; None where it was not timed."""
+    base = row["tile"]  # moe_gemm.tile of SGLang's config: the config back from it
+    config = {"BLOCK_SIZE_M": base["BLOCK_M"], "BLOCK_SIZE_N": base["BLOCK_N"], "BLOCK_SIZE_K": base["BLOCK_K"],
+              "GROUP_SIZE_M": base["GROUP_M"], "num_warps": base["num_warps"], "num_stages": base["num_stages"]}
+    tile, n_tiles = fused_lora.wide_tile(config, base["BLOCK_K"], SHAPES[row["shape"]]["N"], max_rank(row["ranks"]),
+                                         1, HOPPER_SHARED_BYTES)
+    for key, ms in row.items():
+        got = variant(key.removeprefix(ORDERED)) if key.startswith(ORDERED) else None
+        if got and got[0] == n_tiles and {**base, **got[1]} == tile:
+            return row["ms quantize"] + row["ms shrink"] + ms
+    return None
+
+
+def policy(rows: list[dict], margin: float) -> tuple[dict[int, tuple[tuple[int, int], ...]], list[list]]:
+    """``FASTER_FROM_ROUTES`` as ``rows`` support it, and a line per row: shape, ranks, tokens, fused (placed) and
+    fast ms, their ratio."""
+    ratios: dict[tuple[int, int], dict[int, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    lines = []
+    for row in rows:
+        if row.get("base", "fp8") != "fp8":
+            continue  # =fast takes the fused launch over block-fp8 experts only
+        fused = placed_ms(row)
+        if fused is None:
+            continue
+        shape = SHAPES[row["shape"]]
+        ratio = fused / row["ms fast"]
+        ratios[shape["N"], max_rank(row["ranks"])][row["tokens"] * shape["topk"]].append(ratio)
+        lines.append([row["shape"], row["ranks"], row["tokens"], f"{fused:.4f}", f"{row['ms fast']:.4f}", f"{ratio:.3f}"])
+    table: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+    for (k, rank), by_routes in sorted(ratios.items()):
+        start = None
+        for routes in sorted(by_routes, reverse=True):  # from the largest batch down, while each pays
+            if max(by_routes[routes]) > 1 - margin:
+                break
+            start = routes
+        if start is not None:
+            table[k].append((rank, start))
+    return {k: tuple(entries) for k, entries in sorted(table.items())}, lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tables", nargs="+", metavar="DOWN_GEMM.json")
+    parser.add_argument("--margin", type=float, default=0.05, help="how much faster the fused side must be (0.05: 5%%)")
+    args = parser.parse_args(argv)
+    rows = []
+    for path in args.tables:
+        with open(path) as f:
+            rows += json.load(f)["rows"]
+    table, lines = policy(rows, args.margin)
+    print(tables.markdown(["shape", "ranks", "tokens", "fused, as placed (ms)", "fast (ms)", "fused / fast"], lines))
+    print(f"\nFASTER_FROM_ROUTES = {table!r}  # at least {args.margin:.0%} faster from these routes up")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
