@@ -5,7 +5,8 @@
 # Results under ${OUT:-results}/.
 #   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|tune-ab|race|launch|down] [extra arguments for the Python scripts]
 # down: benchmarks/down_gemm.py (the down GEMM alone: SGLang's, this package's over tile variants, the down
-# LoRA as a hook or in the GEMM's epilogue).
+# LoRA as a hook or in the GEMM's epilogue), then what its table says of the fused launch's thresholds
+# (benchmarks/fused_policy.py, into $OUT/fused_policy.md).
 # race: benchmarks/overlap_race.py (the fast hooks' second stream delayed: right only with the waits).
 # launch: benchmarks/launch_check.py (direct launches bit for bit Triton's own), then the hooks' host time a
 # layer (benchmarks/hook_host_time.py --cuda) into $OUT/host-cuda.txt.
@@ -46,5 +47,6 @@ if [ "$what" = launch ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.hook_host_time --cuda --repeats 5 --layers 1000 | tee "$OUT/host-cuda.txt"
 fi
 if [ "$what" = down ]; then
-  timeout "${BENCH_S:-280}" python3 -m benchmarks.down_gemm --out "$OUT" "$@"
+  timeout "${BENCH_S:-280}" python3 -m benchmarks.down_gemm --out "$OUT" "$@" || echo "down_gemm stopped (exit $?)"
+  python3 -m benchmarks.fused_policy "$OUT/down_gemm.json" | tee "$OUT/fused_policy.md"
 fi
