@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from benchmarks.fast_lora import profile
-from benchmarks.serving.reference import Reference, forced_verdict, verdict
+from benchmarks.serving.reference import Reference, forced_verdict, load_runs, verdict
+from benchmarks.serving.reference import main as reference_main
 from harness import tables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -423,7 +424,7 @@ def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tm
     swapped_path.write_text(json.dumps({"name": "swapped", "requests": [
         {**r, "adapter": swap[r["adapter"]]} for r in requests]}))
 
-    text = verdict(ref, [str(self_path), str(swapped_path)])
+    text = verdict(ref, load_runs([str(self_path), str(swapped_path)]))
     assert "VERDICT self: 9/9 right" in text
     right, total = map(int, re.search(r"VERDICT swapped: (\d+)/(\d+) right", text).groups())
     assert total == 9 and right < 9
@@ -432,7 +433,7 @@ def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tm
         assert ref.score(r["prompt"], r["output"])["bad"] == 0
     # Calibrated on a run (here its own: no bad position, so none allowed), with the rotated control beside it.
     scores: dict = {}
-    text = verdict(ref, [str(self_path)], calibrate="self", with_rotated=True, scores=scores)
+    text = verdict(ref, load_runs([str(self_path)]), calibrate="self", with_rotated=True, scores=scores)
     assert "worst request (0.000)" in text and "VERDICT self: 9/9 right" in text
     right, total = map(int, re.search(r"VERDICT self rotated: (\d+)/(\d+) right", text).groups())
     assert total == 9 and 3 <= right < 9  # the base requests stay right, the adapters' are scored as another's
@@ -469,6 +470,14 @@ def test_the_reference_scores_its_own_tokens_right_and_another_adapters_wrong(tm
     assert rows["self"] == ["0.0000", "[0.0000]", "(1.000)"] * 3  # base, a1, a4
     errors = {kind: max(v) for kind, v in scores["self rotated forced"].items()}
     assert errors["base"] < 1e-5 and min(errors["a1"], errors["a4"]) > 0.01
+
+    # The command: greedy and teacher-forced runs given together, each scored its own way.
+    forced_path = tmp_path / "forced-self.json"
+    forced_path.write_text(json.dumps({"name": "self", "forced": forced}))
+    out = tmp_path / "verdict.txt"
+    assert reference_main([str(model), str(lora), str(self_path), str(forced_path), "--device", "cpu", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "VERDICT self: 9/9 right" in text and "Teacher-forced prefills" in text and "self rotated" not in text
 
 
 def test_the_fp8_checkpoint_is_sglangs_block_fp8_and_its_reference_the_exact_dequantized_weights(tmp_path):

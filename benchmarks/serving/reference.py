@@ -177,12 +177,19 @@ def score_run(ref: Reference, run: dict) -> dict[str, list[dict]]:
     return scored
 
 
-def verdict(ref: Reference, runs: list[str], calibrate: str | None = None, with_rotated: bool = False,
-            scores: dict | None = None) -> str:
-    loaded = []
-    for path in runs:
+def load_runs(paths: list[str]) -> list[tuple[str, dict]]:
+    """Each run file with its path."""
+    runs = []
+    for path in paths:
         with open(path) as f:
-            loaded.append((path, json.load(f)))
+            runs.append((path, json.load(f)))
+    return runs
+
+
+def verdict(ref: Reference, runs: list[tuple[str, dict]], calibrate: str | None = None, with_rotated: bool = False,
+            scores: dict | None = None) -> str:
+    """The greedy runs' verdict (``runs``: ``load_runs``')."""
+    loaded = list(runs)
     if with_rotated:
         loaded += [(path, rotated(run)) for path, run in list(loaded) if any(r["adapter"] for r in run["requests"])]
     scored_runs = [(path, run, score_run(ref, run)) for path, run in loaded]
@@ -236,12 +243,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     scores: dict = {}
     ref = Reference(args.model, args.lora, args.device)
-    loaded = {}
-    for path in args.runs:
-        with open(path) as f:
-            loaded[path] = json.load(f)
-    greedy = [path for path, run in loaded.items() if "requests" in run]
-    forced = [(path, run) for path, run in loaded.items() if "forced" in run]
+    loaded = load_runs(args.runs)
+    greedy = [(path, run) for path, run in loaded if "requests" in run]
+    forced = [(path, run) for path, run in loaded if "forced" in run]
     text = verdict(ref, greedy, args.calibrate, args.rotated, scores) if greedy else ""
     if forced:
         text += forced_verdict(ref, forced, args.rotated, scores)
