@@ -386,9 +386,9 @@ class PathStatus:
         if self.mode is None:
             return "SGLang's own LoRA MoE hooks"
         if self.mode == Mode.FAST:
+            widths = " or ".join(map(str, sorted(fused_lora.FASTER_FROM_ROUTES)))
             return ("fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch; the down "
-                    "expand in the down GEMM for large block-fp8 batches up to rank 32 on DeepSeek-V3/GLM-5.1 "
-                    "TP8 shards)")
+                    f"expand in the down GEMM for large block-fp8 batches up to rank 32 at a down GEMM K of {widths})")
         if self.virtual_experts_fixed_upstream:
             return "SGLang's own LoRA MoE hooks (its virtual-experts path is right in this release)"
         return "SGLang's own LoRA MoE hooks; --lora-use-virtual-experts on gated MoE corrected"
