@@ -47,7 +47,11 @@ WIDE = [(16, {}), (16, {"num_stages": 2}), (8, {"num_stages": 2}), (32, {"BLOCK_
 """The wide GEMM's variants: column tiles a program, and changes to SGLang's tile."""
 SHUFFLED = [(16, {"num_stages": 2}), (32, {"BLOCK_N": 64, "num_stages": 2})]
 """The variants also timed over the route list with each expert's routes in random order."""
-ORDERED = WIDE[1:6]
+K_LOOPS = [(16, {"K_LOOP": 1}), (16, {"K_LOOP": 1, "num_stages": 4}), (16, {"BLOCK_N": 64, "K_LOOP": 1}),
+           (32, {"BLOCK_N": 64, "K_LOOP": 1})]
+"""Variants whose K steps are a loop, the one Triton pipelines (each stage one K tile), for a K too long for two
+stages of every K tile (Qwen3-30B-A3B tp 1's six); SGLang's stages unless named."""
+ORDERED = WIDE[1:6] + K_LOOPS
 """The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks);
 one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared memory."""
 SUMS = ("sglang", "hook", "quantize", "shrink")
@@ -165,8 +169,18 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
                 print(f"{part}: {type(error).__name__}: {str(error)[:200]}", flush=True)
     times = replay_times(graphs)
     del graphs
+
+    def output(n_tiles, change):  # the fused GEMM's output over SGLang's list ordered by adapter
+        own(lora, blocks=ordered, n_tiles=n_tiles, **change)
+        return c3.clone()
+
+    # A K loop is the unrolled K steps in the same order: the same output to the bit (one stage, which always fits).
+    looped = [(n, c) for n, c in K_LOOPS if f"SGLang's list ordered: wide + LoRA, {label(n, c)}" in times]
+    exact = all(torch.equal(output(n, c), output(n, {**c, "K_LOOP": 0, "num_stages": 1})) for n, c in looped)
+    if looped:
+        print(f"{name} {ranks_name} {tokens}: K loops bit for bit the unrolled K steps: {exact}", flush=True)
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "tile": base_tile, "use_tma": use_tma,
-           **{f"ms {p}": t for p, t in times.items()}}
+           **({"k loop bit for bit": exact} if looped else {}), **{f"ms {p}": t for p, t in times.items()}}
     row["ms fast"] = times["sglang"] + times["hook"]
     for kind, prefix in (("", "wide + LoRA"), (" ordered", "SGLang's list ordered: wide + LoRA")):
         wide = [p for p in times if p.startswith(prefix)]

@@ -157,7 +157,8 @@ def wide_down_as_placed(k: int, max_rank: int, block_m: int = 64, fp8: bool = Tr
     k_tiles = moe_gemm.cdiv(k, block_k)
     built = wide_down(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=block_k,
                       BLOCK_R=moe_gemm.rank_tile(max_rank), K_TILES=k_tiles, N_TILES=n_tiles, FP8=fp8,
-                      EVEN_K=k % block_k == 0, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+                      EVEN_K=k % block_k == 0, K_LOOP=tile.get("K_LOOP", 0), num_warps=tile["num_warps"],
+                      num_stages=tile["num_stages"])
     return {**built, "estimate": moe_gemm.wide_shared_bytes(tile, k_tiles, max_rank, weight_bytes), "tile": tile}
 
 

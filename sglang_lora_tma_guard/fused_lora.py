@@ -190,8 +190,9 @@ def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_b
     """The down GEMM's tile from SGLang's ``config`` and its column tiles a program: :data:`WIDE_TILES`' (or
     :data:`WIDE_TILES_BY_K_TILES`') for ``max_rank`` where the wide kernel takes K (``k`` in at most
     ``WIDE_K_TILES`` tiles), else SGLang's and 0.
-    ``shared_bytes``: what a program may use on the GPU; one pipeline stage where two would not fit (weights of
-    ``weight_bytes`` an element)."""
+    ``shared_bytes``: what a program may use on the GPU (weights of ``weight_bytes`` an element). Where two pipeline
+    stages of every K tile would not fit, the K steps run as a loop at SGLang's stages, each one K tile
+    (``K_LOOP``); where even that would not, unrolled in one stage."""
     from .moe_gemm import WIDE_K_TILES, cdiv, tile, wide_shared_bytes
 
     gemm_tile = tile(config, config["BLOCK_SIZE_M"], group_k)
@@ -202,7 +203,9 @@ def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_b
     n_tiles, change = next((n, change) for rank, n, change in tiles if max_rank <= rank)
     wide = {**gemm_tile, **change}
     if shared_bytes is not None and wide_shared_bytes(wide, k_tiles, max_rank, weight_bytes) > shared_bytes:
-        wide["num_stages"] = 1
+        looped = {**wide, "K_LOOP": 1, "num_stages": gemm_tile["num_stages"]}
+        fits = wide_shared_bytes(looped, k_tiles, max_rank, weight_bytes) <= shared_bytes
+        wide = looped if fits else {**wide, "num_stages": 1}
     return wide, n_tiles
 
 

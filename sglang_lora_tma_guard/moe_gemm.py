@@ -168,6 +168,7 @@ def _moe_gemm_wide_kernel(
     N_TILES: tl.constexpr,  # column tiles a program computes, the block's rows, scales and ranks read once for all
     FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr, B_TMA: tl.constexpr,
     RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
+    K_LOOP: tl.constexpr = 0,  # 1: the K loop a loop (the pipelined one), each stage one K tile: for a long K
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -218,7 +219,7 @@ def _moe_gemm_wide_kernel(
                    num_slots, N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                    stride_se, stride_sn, stride_sk, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
-                   EVEN_K)
+                   EVEN_K, K_LOOP)
 
 
 @triton.jit
@@ -228,8 +229,11 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
                stride_sk, stride_ll, stride_le, stride_ln, stride_lr,
                SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-               LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr):
-    """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored."""
+               LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
+               K_LOOP: tl.constexpr):
+    """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored. The same K steps in
+    the same order either way: unrolled (``K_LOOP`` 0; the column loop is then the one Triton pipelines, each stage
+    holding every K tile) or a loop (the one pipelined, a stage one K tile)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     b_cols = offs_n % N  # columns past N read a valid column's weights, never stored
@@ -239,10 +243,18 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
     else:
         s_ptrs = b_ptrs  # unread
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in tl.static_range(K_TILES):
-        acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
-                      as_ptrs + kt * stride_ask, s_ptrs + kt * stride_sk, route_ok, offs_k, expert, tile * BLOCK_N,
-                      kt * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0)
+    if K_LOOP:
+        for kt in range(K_TILES):
+            acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
+                          as_ptrs + kt * stride_ask, s_ptrs + kt * stride_sk, route_ok, offs_k, expert,
+                          tile * BLOCK_N, kt * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K,
+                          SCALE_BLOCK_N % BLOCK_N == 0)
+    else:
+        for kt in tl.static_range(K_TILES):
+            acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
+                          as_ptrs + kt * stride_ask, s_ptrs + kt * stride_sk, route_ok, offs_k, expert,
+                          tile * BLOCK_N, kt * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K,
+                          SCALE_BLOCK_N % BLOCK_N == 0)
     if LORA:
         acc = _lora_add_late(acc, slot, wanted, ranks_t, first, first_rank, last, last_rank, expert, offs_n, n_ok,
                              lora_b_ptr, ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R,
@@ -616,7 +628,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
             "the wide GEMM takes SGLang's down GEMMs"
         k_tiles = cdiv(k, block_k)
         assert k_tiles <= WIDE_K_TILES, f"K={k} is {k_tiles} tiles of {block_k}, the wide GEMM unrolls {WIDE_K_TILES}"
-        wide = {name: value for name, value in tile.items() if name != "GROUP_M"}
+        wide = {name: value for name, value in tile.items() if name != "GROUP_M"}  # with K_LOOP where it is set
         grid = (cdiv(sorted_ids.shape[0], block_m), cdiv(cdiv(n, tile["BLOCK_N"]), n_tiles))
         _moe_gemm_wide_kernel[grid](
             a, a_scale if fp8 else a, w, out, w_scale if fp8 else w, topk_weights, sorted_ids, expert_ids,
@@ -646,16 +658,18 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         BLOCK_R=lora.block_r() if lora is not None else 16,
         FP8=fp8, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
         B_TMA=b_desc is not None,
-        RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1, EVEN_K=k % block_k == 0, **tile,
+        RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1, EVEN_K=k % block_k == 0,
+        **{name: value for name, value in tile.items() if name != "K_LOOP"},
     )
 
 
 def wide_shared_bytes(tile: dict, k_tiles: int, max_rank: int, weight_bytes: int) -> int:
     """At least the shared memory :func:`_moe_gemm_wide_kernel` takes with ``tile`` (held to Triton's own sm_90
-    allocation in tests/test_kernel_codegen.py): each pipeline stage of the column loop holds every K tile of the
-    block's A rows and of the weights, and the LoRA epilogue's 16-bit dot operands take at most twice theirs."""
+    allocation in tests/test_kernel_codegen.py): each pipeline stage holds every K tile of the block's A rows and of
+    the weights (one with ``K_LOOP``), and the LoRA epilogue's 16-bit dot operands take at most twice theirs."""
     m, n, k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    return tile["num_stages"] * k_tiles * (m + n) * k * weight_bytes + 2 * 2 * (m + n) * rank_tile(max_rank)
+    held = 1 if tile.get("K_LOOP") else k_tiles
+    return tile["num_stages"] * held * (m + n) * k * weight_bytes + 2 * 2 * (m + n) * rank_tile(max_rank)
 
 
 def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

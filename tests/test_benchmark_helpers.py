@@ -239,8 +239,8 @@ def test_a_profile_says_where_the_host_paced_the_gpu(tmp_path):
 
 def test_the_fused_policy_is_read_from_down_gemm_tables_at_the_tile_the_package_places(capsys):
     """``benchmarks/fused_policy.py`` on the H100 tables behind ``FASTER_FROM_ROUTES``' K 384 entry (with GLM-5.1's
-    K 256 and Qwen3 tp1's 768 beside them): the fused side at the placed tile (64-wide columns at three K tiles,
-    one stage at six), from the largest batch down while it pays."""
+    K 256 and Qwen3 tp1's 768 beside them): the fused side at the placed tile (64-wide columns at three K tiles),
+    from the largest batch down while it pays."""
     from benchmarks import fused_policy
 
     results = REPO / "benchmarks" / "results" / "lora_moe"
@@ -250,13 +250,12 @@ def test_the_fused_policy_is_read_from_down_gemm_tables_at_the_tile_the_package_
     tp2 = by_batch["qwen3-30b-tp2", "r16", 4096]
     assert fused_policy.placed_ms(tp2) == pytest.approx(
         tp2["ms quantize"] + tp2["ms shrink"] + tp2[fused_policy.ORDERED + "N_TILES=16, BLOCK_N=64, num_stages=2"])
-    tp1 = by_batch["qwen3-30b-tp1", "r16", 8192]
-    assert fused_policy.placed_ms(tp1) == pytest.approx(
-        tp1["ms quantize"] + tp1["ms shrink"] + tp1[fused_policy.ORDERED + "N_TILES=16, num_stages=1"])
+    # Qwen3 tp1's six K tiles are placed as a K loop now, a tile that run did not time: its rows say nothing.
+    assert all(fused_policy.placed_ms(r) is None for r in rows if r["shape"] == "qwen3-30b-tp1")
 
     table, lines = fused_policy.policy(rows, margin=0.05)
-    assert len(lines) == len(rows)
-    # K 768 slower at every batch: no entry. K 384 rank 16 at 2048 tokens is 0.4% faster: not by 5%, so from 4096.
+    assert len(lines) == sum(r["shape"] != "qwen3-30b-tp1" for r in rows) > 0
+    # K 384 rank 16 at 2048 tokens is 0.4% faster: not by 5%, so from 4096.
     assert table == {256: ((16, 16384), (32, 16384)), 384: ((8, 32768), (16, 32768), (32, 32768))}
     assert fused_policy.policy(rows, margin=0.0)[0][384] == ((8, 32768), (16, 16384), (32, 16384))
     assert fused_policy.main([str(p) for p in sorted(results.glob("fused-qwen3-tp2/**/down_gemm.json"))]) == 0

@@ -426,19 +426,20 @@ def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglan
     assert not fused_lora.PATCH.status().working
 
 
-@pytest.mark.parametrize(("k", "max_rank", "block_n", "stages"), [
-    (256, 16, 128, 2), (256, 32, 128, 2), (256, 64, 64, 2),  # GLM-5.1 TP8: two K tiles
-    (384, 16, 64, 2), (384, 32, 64, 2),  # Qwen3-30B-A3B tp2: three, 64-wide columns measured fastest at every rank
-    (768, 16, 128, 1),  # tp1: six, one pipeline stage on a Hopper's shared memory
+@pytest.mark.parametrize(("k", "max_rank", "block_n", "stages", "k_loop"), [
+    (256, 16, 128, 2, 0), (256, 32, 128, 2, 0), (256, 64, 64, 2, 0),  # GLM-5.1 TP8: two K tiles
+    (384, 16, 64, 2, 0), (384, 32, 64, 2, 0),  # Qwen3-30B-A3B tp2: three, 64-wide columns measured fastest at every rank
+    # tp1: six, too many for two stages of all of them on a Hopper's shared memory: a K loop at SGLang's stages
+    (768, 16, 128, 4, 1), (768, 32, 128, 4, 1), (768, 64, 64, 2, 0),  # 64-wide columns: two stages fit
 ])
-def test_the_wide_down_gemm_takes_the_tile_measured_for_its_k_tiles_and_rank(k, max_rank, block_n, stages):
+def test_the_wide_down_gemm_takes_the_tile_measured_for_its_k_tiles_and_rank(k, max_rank, block_n, stages, k_loop):
     from harness.ptx import HOPPER_SHARED_BYTES
     from sglang_lora_tma_guard import fused_lora
 
     sglang_tile = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 16, "num_warps": 4,
                    "num_stages": 4}  # SGLang's tuned block-fp8 down tile on these shapes
     tile, n_tiles = fused_lora.wide_tile(sglang_tile, 128, k, max_rank, 1, HOPPER_SHARED_BYTES)
-    assert (tile["BLOCK_N"], tile["num_stages"], n_tiles) == (block_n, stages, 16)
+    assert (tile["BLOCK_N"], tile["num_stages"], tile.get("K_LOOP", 0), n_tiles) == (block_n, stages, k_loop, 16)
     assert (tile["BLOCK_M"], tile["BLOCK_K"]) == (64, 128)
 
 

@@ -78,15 +78,15 @@ def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
 
 
 def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, n_tiles: int = 0,
-        order=None):
-    """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``; ``order``:
-    a change to the list first."""
+        order=None, k_loop: int = 0):
+    """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``, its K steps
+    unrolled or (``k_loop``) a loop; ``order``: a change to the list first."""
     sorted_ids, expert_ids, post_padded = align_block_size(inputs["topk_ids"], block_m, EXPERTS)
     if order is not None:
         sorted_ids, expert_ids, post_padded = order((sorted_ids, expert_ids, post_padded), block_m)
     out = torch.full((TOKENS * TOPK, n), float("nan"), dtype=torch.float16)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if fp8 else block_k, GROUP_M=2, num_warps=4,
-                num_stages=2)
+                num_stages=2, **({"K_LOOP": k_loop} if n_tiles else {}))
     moe_gemm.moe_gemm(inputs["a"], inputs["w"], out, a_scale=inputs["a_scale"], w_scale=inputs["w_scale"], bias=None,
                       topk_weights=inputs["weights"].reshape(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                       num_post_padded=post_padded, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
@@ -95,7 +95,7 @@ def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma
     return out
 
 
-@pytest.mark.parametrize("n_tiles", [0, 3], ids=["one-tile-a-program", "wide"])
+@pytest.mark.parametrize("n_tiles, k_loop", [(0, 0), (3, 0), (3, 1)], ids=["one-tile-a-program", "wide", "wide-k-loop"])
 @pytest.mark.parametrize("fp8, shared_outer, tma, n, k, block_m, block_n, block_k", [
     # Out of the default run (the interpreter's minutes); there the fused launch is proven through SGLang's
     # runner (tests/test_fast_lora.py::test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster).
@@ -105,15 +105,29 @@ def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma
     pytest.param(False, True, False, 200, 72, 32, 64, 64, marks=pytest.mark.slow),
 ], ids=["fp16", "block-fp8", "block-fp8-weights-by-tma", "shared-outer-block-32"])
 def test_the_epilogue_adds_each_routes_own_adapter_delta(fp8, shared_outer, tma, n, k, block_m, block_n, block_k,
-                                                         n_tiles):
+                                                         n_tiles, k_loop):
     inputs, expected = make(n, k, fp8, shared_outer)
-    out = run(inputs, n, block_m, block_n, block_k, fp8, tma, n_tiles).float()
+    out = run(inputs, n, block_m, block_n, block_k, fp8, tma, n_tiles, k_loop=k_loop).float()
     assert not out.isnan().any()
     err = float((out - expected).abs().max() / expected.abs().max())
     assert err < TOLERANCE, err
     # The deltas are not small beside the base rows: a dropped or doubled one would fail the bound.
-    base_only = run({**inputs, "lora": None}, n, block_m, block_n, block_k, fp8, tma, n_tiles).float()
+    base_only = run({**inputs, "lora": None}, n, block_m, block_n, block_k, fp8, tma, n_tiles, k_loop=k_loop).float()
     assert float((base_only - expected).abs().max() / expected.abs().max()) > 50 * TOLERANCE
+
+
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fp16", "block-fp8"])
+def test_the_wide_gemms_k_loop_is_its_unrolled_k_steps_bit_for_bit(fp8):
+    """A long K (Qwen3-30B-A3B tp 1's six K tiles) runs its K steps as a loop, each pipeline stage one K tile,
+    instead of unrolled: the same steps in the same order, so the same output to the bit, with a K past its last
+    full tile (odd widths) and the epilogue's mixed ranks."""
+    n, k = (200, 72) if not fp8 else (72, 456)
+    inputs, expected = make(n, k, fp8, False)
+    unrolled = run(inputs, n, 16, 32, 32, fp8, n_tiles=3)
+    looped = run(inputs, n, 16, 32, 32, fp8, n_tiles=3, k_loop=1)
+    assert not looped.isnan().any()
+    assert torch.equal(looped, unrolled)
+    assert float((looped.float() - expected).abs().max() / expected.abs().max()) < TOLERANCE
 
 
 def order_by_adapter(route_list, block_m: int, token_lora):
