@@ -193,10 +193,20 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
 
 @contextlib.contextmanager
 def fused_down(on: bool):
-    """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``)."""
+    """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``): placed as ``=fast``
+    places it, or with ``FUSED_DOWN=everywhere`` in the environment for every batch it covers (a tile ``=fast`` does
+    not place, timed and scored against the float32 reference)."""
+    import os
+
     from sglang_lora_tma_guard import fused_lora
 
-    (fused_lora.activate if on else fused_lora.deactivate)()
+    everywhere = os.environ.get("FUSED_DOWN", "placed")
+    if everywhere not in ("placed", "everywhere"):
+        raise SystemExit(f"FUSED_DOWN={everywhere!r}: placed (the default) or everywhere")
+    if on:
+        fused_lora.activate(everywhere=everywhere == "everywhere")
+    else:
+        fused_lora.deactivate()
     try:
         yield
     finally:

@@ -10,6 +10,7 @@
 # race: benchmarks/overlap_race.py (the fast hooks' second stream delayed: right only with the waits).
 # launch: benchmarks/launch_check.py (direct launches bit for bit Triton's own), then the hooks' host time a
 # layer (benchmarks/hook_host_time.py --cuda) into $OUT/host-cuda.txt.
+# FUSED_DOWN=everywhere: the bench and kernels tables' fused column takes every batch the fused launch covers.
 # tune-ab: tune, then the kernel table with the tuned tiles and with the shipped ones, alternated twice
 # (under $OUT/tuned1, shipped1, tuned2, shipped2): what the new tiles buy, on one machine. Its arguments
 # go to both scripts (--shapes, --tokens).
