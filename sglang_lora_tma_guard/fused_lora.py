@@ -46,14 +46,15 @@ SGLang's tile), the fastest variants on the GLM-5.1 TP8 down GEMM (``benchmarks/
 Other K tile counts measured to want other tiles: :data:`WIDE_TILES_BY_K_TILES`. Where two pipeline stages of the
 column loop would not fit the GPU's shared memory (a long K: Qwen3-30B-A3B's 768 at tp 1 is six K tiles), one
 (:func:`wide_tile`)."""
-WIDE_TILES_BY_K_TILES = {3: ((MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2}),)}
+WIDE_TILES_BY_K_TILES = {3: ((MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2}),),
+                         6: ((32, 16, {"K_LOOP": 1}), (MAX_RANK, 16, {"BLOCK_N": 64, "K_LOOP": 1}))}
 """:data:`WIDE_TILES` for a down GEMM of that many K tiles. Three (block fp8's K tiles of 128: Qwen3-30B-A3B at tp
 2, K 384): 64-wide columns at every rank; the wide GEMM alone on an H100, ranks 8–32, against 128-wide columns
 (``benchmarks/results/lora_moe/fused-qwen3-tp2/``): 0.37–0.40 ms against 0.41–0.52 at 8192 tokens, 0.24–0.25
 against 0.26–0.33 at 4096, 0.18–0.19 against 0.20–0.23 at 2048. (Six, Qwen3 tp 1's 768, not taken by ``=fast``:
 128-wide columns in one stage are 7–9% faster at 8192 tokens, 64-wide ones in two 3–5% faster at 2048,
 ``.../fused-qwen3/``.)"""
-FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 65536)), 384: ((32, 65536),)}
+FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 65536)), 384: ((32, 65536),), 768: ((32, 65536),)}
 """Where ``=fast`` takes the fused down launch, by the down GEMM's K (a shard's expert intermediate width): (up
 to that max rank, from that many routes, tokens x top-k), block-fp8 experts; none past rank 32, none at a K not
 named. Measured with ``benchmarks/down_gemm.py`` (``benchmarks/fused_policy.py`` reads such a table's thresholds at
