@@ -43,17 +43,25 @@ WIDE_TILES = ((32, 16, {"num_stages": 2}), (MAX_RANK, 16, {"BLOCK_N": 64, "num_s
 SGLang's tile), the fastest variants on the GLM-5.1 TP8 down GEMM (``benchmarks/down_gemm.py``,
 ``benchmarks/results/lora_moe/late-b/``): with each adapter's B tile loaded just before its GEMM, SGLang's
 128-wide columns up to rank 32; past it the epilogue's tiles crowd the accumulator's registers, 64-wide columns.
-Other K tile counts measured to want other tiles: :data:`WIDE_TILES_BY_K_TILES`. Where two pipeline stages of the
-column loop would not fit the GPU's shared memory (a long K: Qwen3-30B-A3B's 768 at tp 1 is six K tiles), one
-(:func:`wide_tile`)."""
-WIDE_TILES_BY_K_TILES = {3: ((MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2}),),
+Other K tile counts measured to want other tiles: :data:`WIDE_TILES_BY_K_TILES`. Where two pipeline stages of
+every K tile would not fit the GPU's shared memory, the K steps as the pipelined loop (:func:`wide_tile`)."""
+WIDE_TILES_BY_K_TILES = {3: ((16, 16, {"K_LOOP": 1}), (MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2})),
                          6: ((32, 16, {"K_LOOP": 1}), (MAX_RANK, 16, {"BLOCK_N": 64, "K_LOOP": 1}))}
-""":data:`WIDE_TILES` for a down GEMM of that many K tiles. Three (block fp8's K tiles of 128: Qwen3-30B-A3B at tp
-2, K 384): 64-wide columns at every rank; the wide GEMM alone on an H100, ranks 8–32, against 128-wide columns
-(``benchmarks/results/lora_moe/fused-qwen3-tp2/``): 0.37–0.40 ms against 0.41–0.52 at 8192 tokens, 0.24–0.25
-against 0.26–0.33 at 4096, 0.18–0.19 against 0.20–0.23 at 2048. (Six, Qwen3 tp 1's 768, not taken by ``=fast``:
-128-wide columns in one stage are 7–9% faster at 8192 tokens, 64-wide ones in two 3–5% faster at 2048,
-``.../fused-qwen3/``.)"""
+""":data:`WIDE_TILES` for a down GEMM of that many K tiles (block fp8's K tiles of 128), the wide GEMM with its
+epilogue alone on an H100:
+
+- Three (Qwen3-30B-A3B at tp 2, K 384): up to rank 16 the K steps a loop (``K_LOOP``, SGLang's stages, 128-wide
+  columns), past it 64-wide columns unrolled. Rank 16, the K loop against 64-wide columns, 0.33 ms against 0.40 at
+  8192 tokens, 0.22 against 0.25 at 4096 (``benchmarks/results/lora_moe/k-loop/short-k/``; rank 8 runs the same
+  compiled kernel, its rank tile 16 too; rank 32 not measured with the loop). 64-wide columns against 128-wide
+  unrolled, ranks 8–32 (``.../fused-qwen3-tp2/``): 0.37–0.40 against 0.41–0.52 at 8192 tokens, 0.24–0.25 against
+  0.26–0.33 at 4096, 0.18–0.19 against 0.20–0.23 at 2048; with ranks up to 64, 0.42 against 0.47 for the loop at
+  8192.
+- Six (tp 1, K 768): the K steps a loop (``K_LOOP``, SGLang's stages), where unrolled only one stage of all six
+  fits with 128-wide columns (``benchmarks/results/lora_moe/k-loop/``): rank 16 0.50 ms against 0.72 unrolled at
+  8192 tokens (SGLang's down GEMM without LoRA, its input's quantization included: 0.52; here 0.055 more for it),
+  0.33 against 0.45 at 4096; rank 32 0.56 against 0.79 at 8192; past rank 32 64-wide columns, 0.66 against 0.88
+  (unrolled in two stages) at 8192 tokens. Bit for bit the unrolled steps' output (``down_gemm``'s check)."""
 FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 65536)), 384: ((32, 65536),), 768: ((32, 65536),)}
 """Where ``=fast`` takes the fused down launch, by the down GEMM's K (a shard's expert intermediate width): (up
 to that max rank, from that many routes, tokens x top-k), block-fp8 experts; none past rank 32, none at a K not
@@ -69,8 +77,12 @@ the placed tile), the down side of a hooked call fused against unfused, ms:
   0.27 / 0.34 at 4096; ranks 16 and 32 0.20 / 0.20 and 0.20 / 0.21 at 2048. Taken from 8192 tokens only, a
   margin an H200 is unlikely to close: its unfused side is relatively faster (at K 256 the H100 pays earlier,
   rank 32 from 2048 tokens against the H200's 8192).
-- K 768, Qwen3-30B-A3B at tp 1, six K tiles and one pipeline stage: slower, rank 16 0.81 / 0.76 at 8192 tokens,
-  0.35 / 0.26 at 2048 on an H100 (``benchmarks/results/lora_moe/fused-qwen3/``). Other widths are not measured.
+- K 768, Qwen3-30B-A3B at tp 1, on an H100 only, the K loop (``benchmarks/results/lora_moe/k-loop/``): ranks 8,
+  16 and 32 0.66 / 0.75, 0.60 / 0.77, 0.66 / 0.78 at 8192 tokens; 0.44 / 0.41, 0.38 / 0.42, 0.43 / 0.43 at 4096;
+  ranks up to 64 0.76 / 0.83 at 8192, 0.48 / 0.46 at 4096. Taken from 8192 tokens up to rank 32, as at K 384 (on
+  the H100, rank 16 pays from 4096 tokens and ranks up to 64 from 8192; an H200 has not measured this K).
+
+Other widths are not measured.
 """
 _everywhere = False
 _failed: dict[tuple, str] = {}

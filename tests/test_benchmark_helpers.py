@@ -238,28 +238,57 @@ def test_a_profile_says_where_the_host_paced_the_gpu(tmp_path):
 
 
 def test_the_fused_policy_is_read_from_down_gemm_tables_at_the_tile_the_package_places(capsys):
-    """``benchmarks/fused_policy.py`` on the H100 tables behind ``FASTER_FROM_ROUTES``' K 384 entry (with GLM-5.1's
-    K 256 and Qwen3 tp1's 768 beside them): the fused side at the placed tile (64-wide columns at three K tiles),
-    from the largest batch down while it pays."""
+    """``benchmarks/fused_policy.py`` on H100 tables of GLM-5.1 TP8 (K 256) and Qwen3-30B-A3B tp2 (K 384): the fused
+    side at the tile the package places (two K tiles: 128-wide columns unrolled up to rank 32; three: the K steps a
+    loop up to rank 16, 64-wide columns unrolled past it), rows of a tile it no longer places left out, and the
+    thresholds from the largest batch down while each batch pays by the margin."""
     from benchmarks import fused_policy
 
     results = REPO / "benchmarks" / "results" / "lora_moe"
-    rows = [row for path in sorted(results.glob("fused-qwen3*/**/down_gemm.json"))
-            for row in json.loads(path.read_text())["rows"]]
-    by_batch = {(r["shape"], r["ranks"], r["tokens"]): r for r in rows}
-    tp2 = by_batch["qwen3-30b-tp2", "r16", 4096]
-    assert fused_policy.placed_ms(tp2) == pytest.approx(
-        tp2["ms quantize"] + tp2["ms shrink"] + tp2[fused_policy.ORDERED + "N_TILES=16, BLOCK_N=64, num_stages=2"])
-    # Qwen3 tp1's six K tiles are placed as a K loop now, a tile that run did not time: its rows say nothing.
-    assert all(fused_policy.placed_ms(r) is None for r in rows if r["shape"] == "qwen3-30b-tp1")
+    short = json.loads((results / "k-loop" / "short-k" / "down_gemm.json").read_text())["rows"]
+    by_batch = {(r["shape"], r["ranks"], r["tokens"]): r for r in short}
 
+    def at(row, tile):
+        return row["ms quantize"] + row["ms shrink"] + row[fused_policy.ORDERED + tile]
+
+    for batch, tile in ((("qwen3-30b-tp2", "r16", 4096), "N_TILES=16, K_LOOP=1"),
+                        (("qwen3-30b-tp2", "mixed", 4096), "N_TILES=16, BLOCK_N=64, num_stages=2"),
+                        (("glm51-fp8-tp8", "r16", 8192), "N_TILES=16, num_stages=2")):
+        assert fused_policy.placed_ms(by_batch[batch]) == pytest.approx(at(by_batch[batch], tile)), batch
+
+    table, lines = fused_policy.policy(short, margin=0.05)
+    assert len(lines) == len(short) == 8
+    assert table == {256: ((16, 32768), (64, 32768)), 384: ((16, 32768), (64, 32768))}
+    # GLM-5.1 at ranks up to 64 pays 7.7% at 4096 tokens: not by 10%, so from 8192 there.
+    assert fused_policy.policy(short, margin=0.1)[0] == {256: ((16, 32768), (64, 65536)), 384: ((16, 32768), (64, 32768))}
+    assert fused_policy.main([str(results / "k-loop" / "short-k" / "down_gemm.json")]) == 0
+    assert "FASTER_FROM_ROUTES = {256: ((16, 32768), (64, 32768)), 384: " in capsys.readouterr().out
+
+    # The tables from before the K loop: their rows at a tile no longer placed say nothing.
+    older = [row for path in sorted(results.glob("fused-qwen3*/**/down_gemm.json"))
+             for row in json.loads(path.read_text())["rows"]]
+    assert {(r["shape"], r["ranks"]) for r in older if fused_policy.placed_ms(r) is None} == {
+        ("qwen3-30b-tp1", "r16"), ("qwen3-30b-tp1", "r32"), ("qwen3-30b-tp2", "r8"), ("qwen3-30b-tp2", "r16")}
+    assert fused_policy.policy(older, margin=0.05)[0] == {256: ((16, 16384), (32, 16384)), 384: ((32, 32768),)}
+
+
+def test_the_k_loop_tables_place_the_fused_launch_at_k_768_no_earlier_than_they_measured_it_faster():
+    """Qwen3-30B-A3B tp1's down GEMM (K 768) with the K-loop tile, ranks 8/16/32/up to 64, 2048-8192 tokens on an
+    H100 (two runs, rank 16 in both): the thresholds these tables support, and the package's entry for K 768 taking
+    no batch they do not (it waits for 8192 tokens, as at K 384, until an H200 measures this K)."""
+    from benchmarks import fused_policy
+    from sglang_lora_tma_guard import fused_lora
+
+    folder = REPO / "benchmarks" / "results" / "lora_moe" / "k-loop"
+    rows = [row for path in (folder / "down_gemm.json", folder / "r8" / "down_gemm.json")
+            for row in json.loads(path.read_text())["rows"]]
+    assert all(row["k loop bit for bit"] for row in rows)
     table, lines = fused_policy.policy(rows, margin=0.05)
-    assert len(lines) == sum(r["shape"] != "qwen3-30b-tp1" for r in rows) > 0
-    # K 384 rank 16 at 2048 tokens is 0.4% faster: not by 5%, so from 4096.
-    assert table == {256: ((16, 16384), (32, 16384)), 384: ((8, 32768), (16, 32768), (32, 32768))}
-    assert fused_policy.policy(rows, margin=0.0)[0][384] == ((8, 32768), (16, 16384), (32, 16384))
-    assert fused_policy.main([str(p) for p in sorted(results.glob("fused-qwen3-tp2/**/down_gemm.json"))]) == 0
-    assert "FASTER_FROM_ROUTES = {256: ((16, 16384), (32, 16384)), 384: " in capsys.readouterr().out
+    assert len(lines) == len(rows) == 13
+    measured = dict(table[768])
+    assert measured == {8: 65536, 16: 32768, 32: 65536, 64: 65536}
+    for rank, from_routes in fused_lora.FASTER_FROM_ROUTES[768]:
+        assert from_routes >= max(n for r, n in measured.items() if r <= rank), (rank, from_routes)
 
 
 def test_the_hooks_host_time_is_timed_with_the_launches_left_out_and_put_back(capsys):

@@ -428,9 +428,10 @@ def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglan
 
 @pytest.mark.parametrize(("k", "max_rank", "block_n", "stages", "k_loop"), [
     (256, 16, 128, 2, 0), (256, 32, 128, 2, 0), (256, 64, 64, 2, 0),  # GLM-5.1 TP8: two K tiles
-    (384, 16, 64, 2, 0), (384, 32, 64, 2, 0),  # Qwen3-30B-A3B tp2: three, 64-wide columns measured fastest at every rank
-    # tp1: six, too many for two stages of all of them on a Hopper's shared memory: a K loop at SGLang's stages
-    (768, 16, 128, 4, 1), (768, 32, 128, 4, 1), (768, 64, 64, 2, 0),  # 64-wide columns: two stages fit
+    # Qwen3-30B-A3B tp2: three, a K loop measured fastest up to rank 16, past it 64-wide columns unrolled
+    (384, 8, 128, 4, 1), (384, 16, 128, 4, 1), (384, 32, 64, 2, 0), (384, 64, 64, 2, 0),
+    # tp1: six, the K steps a loop at SGLang's stages (measured faster than unrolled, which fits one stage)
+    (768, 16, 128, 4, 1), (768, 32, 128, 4, 1), (768, 64, 64, 4, 1),
 ])
 def test_the_wide_down_gemm_takes_the_tile_measured_for_its_k_tiles_and_rank(k, max_rank, block_n, stages, k_loop):
     from harness.ptx import HOPPER_SHARED_BYTES
