@@ -585,7 +585,8 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     divide a half). ``weights_by_tma``: the weight tiles loaded through a tensor descriptor (Hopper).
     ``n_tiles``: each program computes
     that many column tiles (:func:`_moe_gemm_wide_kernel`: one A row per route, no bias, SGLang's route list,
-    K of at most ``WIDE_K_TILES`` tiles); ``tile["GROUP_M"]`` is then unused.
+    K of at most ``WIDE_K_TILES`` tiles); ``tile["GROUP_M"]`` is then unused, and ``tile["K_LOOP"]`` (0 unless
+    given) makes each column tile's K steps a pipelined loop instead of unrolled.
     """
     experts, n, k = w.shape
     fp8 = w_scale is not None
