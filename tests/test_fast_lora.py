@@ -395,6 +395,32 @@ def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, r
     assert tiny_moe.rel_err(fused, expected_moe(problem, None)) > 0.05  # the adapters do change the output
 
 
+@pytest.mark.slow  # as the other fused launches through the runner
+def test_the_fused_down_launch_over_three_k_tiles_runs_them_as_a_loop_in_sglangs_runner(sglang_plugins, runners,
+                                                                                          monkeypatch):
+    """A down GEMM of three block-fp8 K tiles (Qwen3-30B-A3B tp2's K 384) with adapters up to rank 16: the fused
+    launch takes the wide kernel's K loop (``fused_lora.WIDE_TILES_BY_K_TILES``), through SGLang's own runner, as
+    right against the float32 reference MoE as the unfused fast path."""
+    from sglang_lora_tma_guard import fused_lora, moe_gemm
+
+    problem, info = make_case("mixed-ranks-top2", seed=1, ranks=(8, 16, 4, 16), intermediate=384)
+    tiles = []
+    gemm = moe_gemm.moe_gemm
+    monkeypatch.setattr(moe_gemm, "moe_gemm", lambda *a, **k: tiles.append((k["tile"], k["n_tiles"])) or gemm(*a, **k))
+    reference = expected_moe(problem, ReferenceLoRAHooks(info))
+    sglang_plugins("fast")
+    fused_lora.activate(everywhere=True)
+    try:
+        fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    finally:
+        fused_lora.deactivate()
+    unfused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    assert [(tile.get("K_LOOP"), n_tiles) for tile, n_tiles in tiles] == [(1, 16)]
+    fused_err, unfused_err = tiny_moe.rel_err(fused, reference), tiny_moe.rel_err(unfused, reference)
+    assert fused_err < 1e-2 and fused_err <= unfused_err + ONE_FP16_STEP, (fused_err, unfused_err)
+    assert tiny_moe.rel_err(fused, expected_moe(problem, None)) > 0.05  # the adapters do change the output
+
+
 def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglang_plugins, runners, monkeypatch):
     """``=fast`` places the fused down launch, for batches of adapters up to rank 32 over block-fp8 experts
     with at least the routes ``FASTER_FROM_ROUTES`` names for their max rank at their down GEMM's K: a batch short
