@@ -386,7 +386,8 @@ class PathStatus:
         if self.mode is None:
             return "SGLang's own LoRA MoE hooks"
         if self.mode == Mode.FAST:
-            widths = " or ".join(map(str, sorted(fused_lora.FASTER_FROM_ROUTES)))
+            *most, last = map(str, sorted(fused_lora.FASTER_FROM_ROUTES))
+            widths = f"{', '.join(most)} or {last}" if most else last
             return ("fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch; the down "
                     f"expand in the down GEMM for large block-fp8 batches up to rank 32 at a down GEMM K of {widths})")
         if self.virtual_experts_fixed_upstream:
