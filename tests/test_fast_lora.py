@@ -722,3 +722,15 @@ def test_status_does_not_claim_the_fast_path_where_sglangs_own_lora_moe_engine_r
     monkeypatch.setattr(serving, "server_args_here", lambda: engine)
     state = lora_path.status()
     assert state.installed is False and state.bypassed and "no LoRA MoE hooks are built" in state.describe()
+
+
+def test_checks_fast_path_line_names_the_down_gemm_widths_the_fused_launch_is_placed_at(monkeypatch):
+    from sglang_lora_tma_guard import fused_lora
+    from sglang_lora_tma_guard.lora_path import Mode, PathStatus
+
+    fast = PathStatus(mode=Mode.FAST, installed=True, virtual_experts_fixed_upstream=False)
+    assert fast.describe().endswith(f"at a down GEMM K of {', '.join(map(str, sorted(fused_lora.FASTER_FROM_ROUTES)[:-1]))}"
+                                    f" or {max(fused_lora.FASTER_FROM_ROUTES)})")
+    for table, widths in (({384: ((32, 1),), 256: ((16, 1),)}, "256 or 384"), ({256: ((16, 1),)}, "256")):
+        monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", table)
+        assert fast.describe().endswith(f"at a down GEMM K of {widths})")
