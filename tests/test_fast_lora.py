@@ -729,8 +729,7 @@ def test_checks_fast_path_line_names_the_down_gemm_widths_the_fused_launch_is_pl
     from sglang_lora_tma_guard.lora_path import Mode, PathStatus
 
     fast = PathStatus(mode=Mode.FAST, installed=True, virtual_experts_fixed_upstream=False)
-    assert fast.describe().endswith(f"at a down GEMM K of {', '.join(map(str, sorted(fused_lora.FASTER_FROM_ROUTES)[:-1]))}"
-                                    f" or {max(fused_lora.FASTER_FROM_ROUTES)})")
-    for table, widths in (({384: ((32, 1),), 256: ((16, 1),)}, "256 or 384"), ({256: ((16, 1),)}, "256")):
+    for table, widths in (({768: ((32, 1),), 256: ((16, 1),), 384: ((32, 1),)}, "256, 384 or 768"),
+                          ({384: ((32, 1),), 256: ((16, 1),)}, "256 or 384"), ({256: ((16, 1),)}, "256")):
         monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", table)
         assert fast.describe().endswith(f"at a down GEMM K of {widths})")
