@@ -381,15 +381,25 @@ def test_fused_down_gemm_adds_the_down_delta_in_sglangs_runner(sglang_plugins, r
     taken = []
     run = fused_lora.DownWork.run
     monkeypatch.setattr(fused_lora.DownWork, "run", lambda self, a: taken.append(a["C"].shape) or run(self, a))
+    fused_and_unfused_are_as_right(sglang_plugins, problem, info)
+    assert taken == [(TOKENS, CASES[name].topk, problem.w2.shape[1])]  # the fused run's down GEMM, only it
+
+
+def fused_and_unfused_are_as_right(sglang_plugins, problem, info) -> None:
+    """The call through SGLang's runner with the fused down launch taking every batch, then without it: the fused
+    call as right against the float32 reference MoE as the unfused fast path (tolerance as above, on outputs of
+    size about 1), and the adapters changing its output."""
+    from sglang_lora_tma_guard import fused_lora
+
     reference = expected_moe(problem, ReferenceLoRAHooks(info))
     sglang_plugins("fast")
     fused_lora.activate(everywhere=True)
-    assert fused_lora.PATCH.status().working
-    fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
-    assert taken == [(TOKENS, CASES[name].topk, problem.w2.shape[1])]
-    fused_lora.deactivate()
+    try:
+        assert fused_lora.PATCH.status().working
+        fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    finally:
+        fused_lora.deactivate()
     unfused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
-    assert len(taken) == 1
     fused_err, unfused_err = tiny_moe.rel_err(fused, reference), tiny_moe.rel_err(unfused, reference)
     assert fused_err < 1e-2 and fused_err <= unfused_err + ONE_FP16_STEP, (fused_err, unfused_err)
     assert tiny_moe.rel_err(fused, expected_moe(problem, None)) > 0.05  # the adapters do change the output
@@ -401,24 +411,14 @@ def test_the_fused_down_launch_over_three_k_tiles_runs_them_as_a_loop_in_sglangs
     """A down GEMM of three block-fp8 K tiles (Qwen3-30B-A3B tp2's K 384) with adapters up to rank 16: the fused
     launch takes the wide kernel's K loop (``fused_lora.WIDE_TILES_BY_K_TILES``), through SGLang's own runner, as
     right against the float32 reference MoE as the unfused fast path."""
-    from sglang_lora_tma_guard import fused_lora, moe_gemm
+    from sglang_lora_tma_guard import moe_gemm
 
     problem, info = make_case("mixed-ranks-top2", seed=1, ranks=(8, 16, 4, 16), intermediate=384)
     tiles = []
     gemm = moe_gemm.moe_gemm
     monkeypatch.setattr(moe_gemm, "moe_gemm", lambda *a, **k: tiles.append((k["tile"], k["n_tiles"])) or gemm(*a, **k))
-    reference = expected_moe(problem, ReferenceLoRAHooks(info))
-    sglang_plugins("fast")
-    fused_lora.activate(everywhere=True)
-    try:
-        fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
-    finally:
-        fused_lora.deactivate()
-    unfused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    fused_and_unfused_are_as_right(sglang_plugins, problem, info)
     assert [(tile.get("K_LOOP"), n_tiles) for tile, n_tiles in tiles] == [(1, 16)]
-    fused_err, unfused_err = tiny_moe.rel_err(fused, reference), tiny_moe.rel_err(unfused, reference)
-    assert fused_err < 1e-2 and fused_err <= unfused_err + ONE_FP16_STEP, (fused_err, unfused_err)
-    assert tiny_moe.rel_err(fused, expected_moe(problem, None)) > 0.05  # the adapters do change the output
 
 
 def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglang_plugins, runners, monkeypatch):
