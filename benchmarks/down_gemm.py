@@ -15,7 +15,8 @@ among them and the base model), CUDA-graph replays, best of 5 x 50, interleaved.
 - ``wide ...``: ``moe_gemm`` with ``n_tiles`` (the wide kernel: one block against several column tiles);
 - ``hook``: the fast path's down hook (``lora_moe.add_delta``, tuned tiles) on SGLang's output;
   ``shrink``: the down shrink alone (what the fused GEMM needs before it);
-- ``wide + LoRA ...``: the wide kernel with the expand in its epilogue, over SGLang's route list;
+- ``wide + LoRA ...``: the wide kernel with the expand in its epilogue, over SGLang's route list (``N_TILES=0``:
+  the narrow kernel, one column tile a program);
 - ``own + LoRA, SGLang's blocks`` / ``..., segments``: the GEMM with the expand in its epilogue, over
   SGLang's route list (rows of any adapter in any order), over the same blocks with each expert's rows
   ordered by adapter (``moe_gemm.order_by_adapter``: no padding per adapter);
@@ -51,7 +52,11 @@ K_LOOPS = [(16, {"K_LOOP": 1}), (16, {"K_LOOP": 1, "num_stages": 4}), (16, {"BLO
            (32, {"BLOCK_N": 64, "K_LOOP": 1})]
 """Variants whose K steps are a loop, the one Triton pipelines (each stage one K tile), for a K too long for two
 stages of every K tile (Qwen3-30B-A3B tp 1's six); SGLang's stages unless named."""
-ORDERED = WIDE[1:6] + K_LOOPS
+NARROW = [(0, {}), (0, {"GROUP_M": 8}), (0, {"BLOCK_N": 64})]
+"""The GEMM of one column tile a program (``N_TILES=0``: ``moe_gemm``'s narrow kernel, SGLang's tile unless named),
+the LoRA in its epilogue: more programs than the wide kernel's, each paying the block's prologue again, for a K long
+enough that the prologue is a small part (Qwen3-30B-A3B tp 1's six K tiles)."""
+ORDERED = WIDE[1:6] + K_LOOPS + NARROW
 """The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks);
 one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared memory."""
 SUMS = ("sglang", "hook", "quantize", "shrink")
