@@ -195,22 +195,28 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
 def fused_down(on: bool):
     """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``): placed as ``=fast``
     places it, or with ``FUSED_DOWN=everywhere`` in the environment for every batch it covers (a tile ``=fast`` does
-    not place, timed and scored against the float32 reference)."""
+    not place, timed and scored against the float32 reference); ``FUSED_DOWN=everywhere-narrow``: every batch, each
+    down GEMM one column tile a program (``moe_gemm``'s narrow kernel at SGLang's tile) whatever its K."""
     import os
 
     from sglang_lora_tma_guard import fused_lora
 
-    everywhere = os.environ.get("FUSED_DOWN", "placed")
-    if everywhere not in ("placed", "everywhere"):
-        raise SystemExit(f"FUSED_DOWN={everywhere!r}: placed (the default) or everywhere")
+    how = os.environ.get("FUSED_DOWN", "placed")
+    if how not in ("placed", "everywhere", "everywhere-narrow"):
+        raise SystemExit(f"FUSED_DOWN={how!r}: placed (the default), everywhere or everywhere-narrow")
+    tiles = fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES
+    if on and how == "everywhere-narrow":
+        narrow = ((fused_lora.MAX_RANK, 0, {}),)
+        fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES = narrow, {}
     if on:
-        fused_lora.activate(everywhere=everywhere == "everywhere")
+        fused_lora.activate(everywhere=how != "placed")
     else:
         fused_lora.deactivate()
     try:
         yield
     finally:
         fused_lora.deactivate()
+        fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES = tiles
 
 
 def fast_call(batch: LoRABatch):

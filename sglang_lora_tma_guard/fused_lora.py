@@ -215,6 +215,8 @@ def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_b
     tiles = WIDE_TILES_BY_K_TILES.get(k_tiles, WIDE_TILES)
     n_tiles, change = next((n, change) for rank, n, change in tiles if max_rank <= rank)
     wide = {**gemm_tile, **change}
+    if not n_tiles:  # measured faster one column tile a program: SGLang's pipeline, no K tile held whole
+        return wide, 0
     if shared_bytes is not None and wide_shared_bytes(wide, k_tiles, max_rank, weight_bytes) > shared_bytes:
         looped = {**wide, "K_LOOP": 1, "num_stages": gemm_tile["num_stages"]}
         fits = wide_shared_bytes(looped, k_tiles, max_rank, weight_bytes) <= shared_bytes
