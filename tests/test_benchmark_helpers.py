@@ -547,3 +547,27 @@ def test_the_launch_key_timing_runs_both_keys_on_a_real_expand_s_arguments(capsy
     assert launch_key_time.main(["--repeats", "1", "--number", "10"]) == 0
     out = capsys.readouterr().out
     assert "19 positional arguments" in out and "per argument:" in out and "inline (the launcher's):" in out
+
+
+def test_fused_down_everywhere_narrow_places_one_column_tile_a_program_at_every_k_and_puts_the_tables_back(monkeypatch):
+    """``FUSED_DOWN=everywhere-narrow`` (the benchmarks' switch): inside, the fused launch's tile at any K and rank is
+    SGLang's, one column tile a program; after it, the package's tables as they were; an unknown value is refused."""
+    from benchmarks._lora_setup import fused_down
+    from harness.ptx import HOPPER_SHARED_BYTES
+    from sglang_lora_tma_guard import fused_lora, moe_gemm
+
+    config = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 16, "num_warps": 4,
+              "num_stages": 3}
+    cases = [(k, rank) for k in (256, 384, 768) for rank in (16, 64)]
+    placed = {case: fused_lora.wide_tile(config, 128, *case, 1, HOPPER_SHARED_BYTES) for case in cases}
+    assert all(n_tiles for _, n_tiles in placed.values())
+    monkeypatch.setenv("FUSED_DOWN", "everywhere-narrow")
+    with fused_down(True):
+        assert fused_lora._everywhere
+        for case in cases:
+            assert fused_lora.wide_tile(config, 128, *case, 1, HOPPER_SHARED_BYTES) == (moe_gemm.tile(config, 64, 128), 0), case
+    assert not fused_lora._everywhere
+    assert {case: fused_lora.wide_tile(config, 128, *case, 1, HOPPER_SHARED_BYTES) for case in cases} == placed
+    monkeypatch.setenv("FUSED_DOWN", "narrow")
+    with pytest.raises(SystemExit, match="everywhere-narrow"), fused_down(True):
+        pass
