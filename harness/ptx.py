@@ -103,20 +103,23 @@ def hook(**meta) -> dict:
                     constexprs=constexprs, unit=("stride_xk", "stride_ak", "stride_br", "stride_on"), num_stages=3)
 
 
-def fused_down(**meta) -> dict:
+def fused_down(num_warps: int = 4, num_stages: int = 3, **meta) -> dict:
     """This package's down GEMM with the LoRA expand in its epilogue over SGLang's route list, one column tile
-    a program (``moe_gemm`` without ``n_tiles``), bf16 weights by plain loads unless ``meta`` says otherwise."""
+    a program (``moe_gemm`` without ``n_tiles``), bf16 weights by plain loads unless ``meta`` says otherwise
+    (block-fp8 ones with ``FP8=True``)."""
     from sglang_lora_tma_guard import moe_gemm
 
     constexprs = dict(ROUTES_PER_A_ROW=1, TOPK=8, SCALE_BLOCK_N=128, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64,
                       BLOCK_R=64, GROUP_M=1, FP8=False, HAS_BIAS=False, MUL_ROUTED_WEIGHT=True, LORA=True,
                       B_TMA=False, RANK_GRANULE=8, EVEN_K=True, b_desc=None)
     constexprs.update(meta)
+    weights = "*fp8e4nv" if constexprs["FP8"] else "*bf16"
     int32 = ("sorted_ids_ptr", "expert_ids_ptr", "num_post_padded_ptr", "token_lora_ptr", "enabled_ptr", "ranks_ptr")
     return compiled(moe_gemm._moe_gemm_kernel,
-                    types={"t_ptr": "*fp32", "topk_weights_ptr": "*fp32", "a_scale_ptr": "*fp32",
-                           "b_scale_ptr": "*fp32", **dict.fromkeys(int32, "*i32")},
-                    constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr"), num_stages=3)
+                    types={"a_ptr": weights, "b_ptr": weights, "t_ptr": "*fp32", "topk_weights_ptr": "*fp32",
+                           "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", **dict.fromkeys(int32, "*i32")},
+                    constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr"),
+                    num_warps=num_warps, num_stages=num_stages)
 
 
 def wide_down(num_warps: int = 4, num_stages: int = 2, **meta) -> dict:
@@ -142,24 +145,29 @@ HOPPER_SHARED_BYTES = 232448
 """Shared memory a program may use on an H100 or H200 (``shared_memory_per_block_optin``)."""
 
 
-def wide_down_as_placed(k: int, max_rank: int, block_m: int = 64, fp8: bool = True) -> dict:
-    """The wide down GEMM at the tile ``fused_lora.wide_tile`` picks on an H100/H200 from a tuned config of
+def down_as_placed(k: int, max_rank: int, block_m: int = 64, fp8: bool = True) -> dict:
+    """The fused down GEMM at the tile ``fused_lora.wide_tile`` picks on an H100/H200 from a tuned config of
     SGLang's (``BLOCK_SIZE_M`` ``block_m``, 128-wide columns; K tiles of 128, one fp8 group, or of 64 with bf16
     experts) for a down GEMM of K ``k`` (a shard's intermediate width) and adapters up to ``max_rank``: the
-    compiled kernel, with ``estimate`` (``moe_gemm.wide_shared_bytes``) and the ``tile``."""
+    compiled kernel (the wide one, or the narrow one where the tile has no column tiles a program), with
+    ``estimate`` (``moe_gemm.wide_shared_bytes``, the narrow kernel's as a K loop's: a stage one K tile), the
+    ``tile`` and ``n_tiles``."""
     from sglang_lora_tma_guard import fused_lora, moe_gemm
 
     block_k, weight_bytes = (128, 1) if fp8 else (64, 2)
     config = {"BLOCK_SIZE_M": block_m, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": block_k, "GROUP_SIZE_M": 1,
               "num_warps": 4, "num_stages": 3}
     tile, n_tiles = fused_lora.wide_tile(config, 128 if fp8 else None, k, max_rank, weight_bytes, HOPPER_SHARED_BYTES)
-    assert n_tiles, f"K {k} is past the wide kernel's K tiles: fused_lora launches the one-tile GEMM there"
     k_tiles = moe_gemm.cdiv(k, block_k)
-    built = wide_down(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=block_k,
-                      BLOCK_R=moe_gemm.rank_tile(max_rank), K_TILES=k_tiles, N_TILES=n_tiles, FP8=fp8,
-                      EVEN_K=k % block_k == 0, K_LOOP=tile.get("K_LOOP", 0), num_warps=tile["num_warps"],
-                      num_stages=tile["num_stages"])
-    return {**built, "estimate": moe_gemm.wide_shared_bytes(tile, k_tiles, max_rank, weight_bytes), "tile": tile}
+    shape = dict(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=block_k, BLOCK_R=moe_gemm.rank_tile(max_rank),
+                 FP8=fp8, EVEN_K=k % block_k == 0, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    if n_tiles:
+        built = wide_down(K_TILES=k_tiles, N_TILES=n_tiles, K_LOOP=tile.get("K_LOOP", 0), **shape)
+        estimate = moe_gemm.wide_shared_bytes(tile, k_tiles, max_rank, weight_bytes)
+    else:
+        built = fused_down(GROUP_M=tile["GROUP_M"], **shape)
+        estimate = moe_gemm.wide_shared_bytes({**tile, "K_LOOP": 1}, k_tiles, max_rank, weight_bytes)
+    return {**built, "estimate": estimate, "tile": tile, "n_tiles": n_tiles}
 
 
 CONFIGURATIONS = {
@@ -178,12 +186,12 @@ CONFIGURATIONS = {
     "wide fused down GEMM, K unrolled in one stage": lambda: wide_down(K_TILES=6, num_stages=1),  # as placed before
     # As placed on an H100/H200 for SGLang's block-fp8 down GEMMs: GLM-5.1 TP8 (K 256), Qwen3-30B-A3B at tp 1, 2, 4
     # (K 768, 384, 192), at ranks 16, 32 and 64, with SGLang's BLOCK_SIZE_M of 64 (128 for the longest K too).
-    **{f"wide fused down GEMM placed, K {k}, rank {r}, BLOCK_M {m}": (lambda k=k, r=r, m=m: wide_down_as_placed(k, r, m))
+    **{f"fused down GEMM placed, K {k}, rank {r}, BLOCK_M {m}": (lambda k=k, r=r, m=m: down_as_placed(k, r, m))
        for k, r, m in ((256, 16, 64), (256, 32, 64), (256, 64, 64), (768, 16, 64), (768, 32, 128), (768, 64, 64),
                        (384, 16, 64), (384, 64, 128), (192, 32, 64))},
     # bf16 experts, where the fused launch runs only when placed for every batch (fused_lora.activate(everywhere=True)).
-    **{f"wide fused down GEMM placed, bf16, K {k}, rank {r}, BLOCK_M {m}": (
-        lambda k=k, r=r, m=m: wide_down_as_placed(k, r, m, fp8=False))
+    **{f"fused down GEMM placed, bf16, K {k}, rank {r}, BLOCK_M {m}": (
+        lambda k=k, r=r, m=m: down_as_placed(k, r, m, fp8=False))
        for k, r, m in ((256, 16, 64), (256, 64, 128), (384, 32, 64), (192, 16, 64))},
     # The other tuned decode tiles of Qwen3-30B-A3B tp 1 (512 pairs; "rank tiles of 16" is the gate-up expand's).
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,

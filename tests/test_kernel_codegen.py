@@ -47,7 +47,7 @@ def accesses():
 def placed():
     from harness.ptx import CONFIGURATIONS
 
-    return compile_sm90([name for name in CONFIGURATIONS if name.startswith("wide fused down GEMM placed")])
+    return compile_sm90([name for name in CONFIGURATIONS if name.startswith("fused down GEMM placed")])
 
 
 def element_loads(counts: dict[str, int]) -> int:
