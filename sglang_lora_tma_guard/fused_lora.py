@@ -46,9 +46,9 @@ SGLang's tile), the fastest variants on the GLM-5.1 TP8 down GEMM (``benchmarks/
 Other K tile counts measured to want other tiles: :data:`WIDE_TILES_BY_K_TILES`. Where two pipeline stages of
 every K tile would not fit the GPU's shared memory, the K steps as the pipelined loop (:func:`wide_tile`)."""
 WIDE_TILES_BY_K_TILES = {3: ((16, 16, {"K_LOOP": 1}), (MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2})),
-                         6: ((32, 16, {"K_LOOP": 1}), (MAX_RANK, 16, {"BLOCK_N": 64, "K_LOOP": 1}))}
-""":data:`WIDE_TILES` for a down GEMM of that many K tiles (block fp8's K tiles of 128), the wide GEMM with its
-epilogue alone on an H100:
+                         6: ((MAX_RANK, 0, {}),)}
+""":data:`WIDE_TILES` for a down GEMM of that many K tiles (block fp8's K tiles of 128), the GEMM with its epilogue
+alone on an H100; no column tiles a program: the narrow GEMM (one column tile a program) at SGLang's tile.
 
 - Three (Qwen3-30B-A3B at tp 2, K 384): up to rank 16 the K steps a loop (``K_LOOP``, SGLang's stages, 128-wide
   columns), past it 64-wide columns unrolled. Rank 16, the K loop against 64-wide columns, 0.33 ms against 0.40 at
@@ -57,16 +57,20 @@ epilogue alone on an H100:
   unrolled, ranks 8–32 (``.../fused-qwen3-tp2/``): 0.37–0.40 against 0.41–0.52 at 8192 tokens, 0.24–0.25 against
   0.26–0.33 at 4096, 0.18–0.19 against 0.20–0.23 at 2048; with ranks up to 64, 0.42 against 0.47 for the loop at
   8192.
-- Six (tp 1, K 768): the K steps a loop (``K_LOOP``, SGLang's stages), where unrolled only one stage of all six
-  fits with 128-wide columns (``benchmarks/results/lora_moe/k-loop/``): rank 16 0.50 ms against 0.72 unrolled at
-  8192 tokens (SGLang's down GEMM without LoRA, its input's quantization included: 0.52; here 0.055 more for it),
-  0.33 against 0.45 at 4096; rank 32 0.56 against 0.79 at 8192; past rank 32 64-wide columns, 0.66 against 0.88
-  (unrolled in two stages) at 8192 tokens. Bit for bit the unrolled steps' output (``down_gemm``'s check)."""
-FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 65536)), 384: ((32, 65536),), 768: ((32, 65536),)}
+- Six (tp 1, K 768): narrow. Six K steps a column tile pay for a program's prologue (the block's routes, scales,
+  adapters and ranks), and the narrow grid has 16 times the wide one's programs: at 2048 tokens the wide one's few
+  hundred leave SMs idle. Over SGLang's list ordered by adapter, in one H100 run
+  (``benchmarks/results/lora_moe/k-loop/kernels/``, its ``own down + LoRA`` against ``wide down + LoRA``, the wide one
+  the K loop): rank 16 0.18 / 0.28 ms at 2048 tokens, 0.29 / 0.33 at 4096, 0.52 / 0.51 at 8192; rank 32 0.19 / 0.32,
+  0.31 / 0.38, 0.54 / 0.57; ranks up to 64 0.22 / 0.32, 0.35 / 0.42, 0.62 / 0.67. Without LoRA the narrow GEMM and
+  its input's fp8 quantization are a little faster than SGLang's GEMM with its own (0.49 against 0.52 ms at 8192
+  tokens, 0.16 against 0.17 at 2048)."""
+FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 65536)), 384: ((32, 65536),), 768: ((32, 16384), (64, 65536))}
 """Where ``=fast`` takes the fused down launch, by the down GEMM's K (a shard's expert intermediate width): (up
-to that max rank, from that many routes, tokens x top-k), block-fp8 experts; none past rank 32, none at a K not
-named. Measured with ``benchmarks/down_gemm.py`` (``benchmarks/fused_policy.py`` reads such a table's thresholds at
-the placed tile), the down side of a hooked call fused against unfused, ms:
+to that max rank, from that many routes, tokens x top-k), block-fp8 experts; none past the last rank named, none at
+a K not named. Measured with ``benchmarks/down_gemm.py`` or ``benchmarks/lora_moe_kernels.py``
+(``benchmarks/fused_policy.py`` reads such a table's thresholds at the placed tile), the down side of a hooked call
+fused against unfused (SGLang's down GEMM + the fast down hook), ms:
 
 - K 256, GLM-5.1 and DeepSeek-V3 at TP8, on an H200 (``benchmarks/results/lora_moe/down-gemm/``): rank 16
   0.29 / 0.27 at 1024 tokens, 0.37 / 0.40 at 2048, 0.49 / 0.62 at 4096, 0.73 / 1.07 at 8192; rank 8 0.42 / 0.39
@@ -77,10 +81,12 @@ the placed tile), the down side of a hooked call fused against unfused, ms:
   0.27 / 0.34 at 4096; ranks 16 and 32 0.20 / 0.20 and 0.20 / 0.21 at 2048. Taken from 8192 tokens only, a
   margin an H200 is unlikely to close: its unfused side is relatively faster (at K 256 the H100 pays earlier,
   rank 32 from 2048 tokens against the H200's 8192).
-- K 768, Qwen3-30B-A3B at tp 1, on an H100 only, the K loop (``benchmarks/results/lora_moe/k-loop/``): ranks 8,
-  16 and 32 0.66 / 0.75, 0.60 / 0.77, 0.66 / 0.78 at 8192 tokens; 0.44 / 0.41, 0.38 / 0.42, 0.43 / 0.43 at 4096;
-  ranks up to 64 0.76 / 0.83 at 8192, 0.48 / 0.46 at 4096. Taken from 8192 tokens up to rank 32, as at K 384 (on
-  the H100, rank 16 pays from 4096 tokens and ranks up to 64 from 8192; an H200 has not measured this K).
+- K 768, Qwen3-30B-A3B at tp 1, on an H100 only, the narrow GEMM (``benchmarks/results/lora_moe/k-loop/kernels/``):
+  ranks 16 and 32 0.21 / 0.26 and 0.23 / 0.28 at 2048 tokens, 0.34 / 0.43 and 0.37 / 0.44 at 4096, 0.62 / 0.78 and
+  0.64 / 0.79 at 8192 (0.79–0.83); ranks up to 64 0.25 / 0.30, 0.40 / 0.46, 0.72 / 0.83 (0.84–0.88). Taken from
+  2048 tokens up to rank 32, where the margin (17–21%) is more than the H200's faster hook is likely to take back,
+  from 8192 past it (a 12–16% margin, most of which an H200's hook could take back). Rank 8 runs rank 16's
+  compiled kernel; its hook is 8% faster than rank 16's (``.../k-loop/r8/``).
 
 Other widths are not measured.
 """

@@ -386,13 +386,22 @@ class PathStatus:
         if self.mode is None:
             return "SGLang's own LoRA MoE hooks"
         if self.mode == Mode.FAST:
-            *most, last = map(str, sorted(fused_lora.FASTER_FROM_ROUTES))
-            widths = f"{', '.join(most)} or {last}" if most else last
+            widths_by_rank: dict[int, list[str]] = {}
+            for k, entries in sorted(fused_lora.FASTER_FROM_ROUTES.items()):
+                widths_by_rank.setdefault(max(rank for rank, _ in entries), []).append(str(k))
+            where = ", ".join(f"up to rank {rank} at a down GEMM K of {_either(widths)}"
+                              for rank, widths in sorted(widths_by_rank.items()))
             return ("fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch; the down "
-                    f"expand in the down GEMM for large block-fp8 batches up to rank 32 at a down GEMM K of {widths})")
+                    f"expand in the down GEMM for large block-fp8 batches {where})")
         if self.virtual_experts_fixed_upstream:
             return "SGLang's own LoRA MoE hooks (its virtual-experts path is right in this release)"
         return "SGLang's own LoRA MoE hooks; --lora-use-virtual-experts on gated MoE corrected"
+
+
+def _either(words: list[str]) -> str:
+    """``["256", "384"]`` as ``256 or 384``."""
+    *most, last = words
+    return f"{', '.join(most)} or {last}" if most else last
 
 
 def status() -> PathStatus:

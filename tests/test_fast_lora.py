@@ -421,6 +421,24 @@ def test_the_fused_down_launch_over_three_k_tiles_runs_them_as_a_loop_in_sglangs
     assert [(tile.get("K_LOOP"), n_tiles) for tile, n_tiles in tiles] == [(1, 16)]
 
 
+@pytest.mark.slow  # as the other fused launches through the runner
+@pytest.mark.parametrize("ranks", [(8, 16, 4, 16), (8, 16, 32, 64)])
+def test_the_fused_down_launch_over_six_k_tiles_is_one_column_tile_a_program_in_sglangs_runner(sglang_plugins, runners,
+                                                                                              monkeypatch, ranks):
+    """A down GEMM of six block-fp8 K tiles (Qwen3-30B-A3B tp1's K 768), adapters up to rank 16 and up to 64: the
+    fused launch takes the narrow GEMM at SGLang's tile (``fused_lora.WIDE_TILES_BY_K_TILES``), through SGLang's own
+    runner, as right against the float32 reference MoE as the unfused fast path."""
+    from sglang_lora_tma_guard import moe_gemm
+
+    problem, info = make_case("mixed-ranks-top2", seed=1, ranks=ranks, intermediate=768)
+    tiles = []
+    gemm = moe_gemm.moe_gemm
+    monkeypatch.setattr(moe_gemm, "moe_gemm", lambda *a, **k: tiles.append((k["tile"], k["n_tiles"])) or gemm(*a, **k))
+    fused_and_unfused_are_as_right(sglang_plugins, problem, info)
+    assert [n_tiles for _, n_tiles in tiles] == [0]
+    assert "K_LOOP" not in tiles[0][0] and tiles[0][0]["BLOCK_N"] == problem.down_config["BLOCK_SIZE_N"]
+
+
 def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglang_plugins, runners, monkeypatch):
     """``=fast`` places the fused down launch, for batches of adapters up to rank 32 over block-fp8 experts
     with at least the routes ``FASTER_FROM_ROUTES`` names for their max rank at their down GEMM's K: a batch short
@@ -452,21 +470,23 @@ def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglan
     assert not fused_lora.PATCH.status().working
 
 
-@pytest.mark.parametrize(("k", "max_rank", "block_n", "stages", "k_loop"), [
-    (256, 16, 128, 2, 0), (256, 32, 128, 2, 0), (256, 64, 64, 2, 0),  # GLM-5.1 TP8: two K tiles
+@pytest.mark.parametrize(("k", "max_rank", "block_n", "stages", "k_loop", "n_tiles"), [
+    (256, 16, 128, 2, 0, 16), (256, 32, 128, 2, 0, 16), (256, 64, 64, 2, 0, 16),  # GLM-5.1 TP8: two K tiles
     # Qwen3-30B-A3B tp2: three, a K loop measured fastest up to rank 16, past it 64-wide columns unrolled
-    (384, 8, 128, 4, 1), (384, 16, 128, 4, 1), (384, 32, 64, 2, 0), (384, 64, 64, 2, 0),
-    # tp1: six, the K steps a loop at SGLang's stages (measured faster than unrolled, which fits one stage)
-    (768, 16, 128, 4, 1), (768, 32, 128, 4, 1), (768, 64, 64, 4, 1),
+    (384, 8, 128, 4, 1, 16), (384, 16, 128, 4, 1, 16), (384, 32, 64, 2, 0, 16), (384, 64, 64, 2, 0, 16),
+    # tp1: six, one column tile a program at SGLang's tile (measured faster than the wide kernel's K loop)
+    (768, 16, 128, 4, 0, 0), (768, 32, 128, 4, 0, 0), (768, 64, 128, 4, 0, 0),
 ])
-def test_the_wide_down_gemm_takes_the_tile_measured_for_its_k_tiles_and_rank(k, max_rank, block_n, stages, k_loop):
+def test_the_fused_down_gemm_takes_the_tile_measured_for_its_k_tiles_and_rank(k, max_rank, block_n, stages, k_loop,
+                                                                              n_tiles):
     from harness.ptx import HOPPER_SHARED_BYTES
     from sglang_lora_tma_guard import fused_lora
 
     sglang_tile = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 16, "num_warps": 4,
                    "num_stages": 4}  # SGLang's tuned block-fp8 down tile on these shapes
-    tile, n_tiles = fused_lora.wide_tile(sglang_tile, 128, k, max_rank, 1, HOPPER_SHARED_BYTES)
-    assert (tile["BLOCK_N"], tile["num_stages"], tile.get("K_LOOP", 0), n_tiles) == (block_n, stages, k_loop, 16)
+    tile, placed_n_tiles = fused_lora.wide_tile(sglang_tile, 128, k, max_rank, 1, HOPPER_SHARED_BYTES)
+    assert (tile["BLOCK_N"], tile["num_stages"], tile.get("K_LOOP", 0), placed_n_tiles) == (block_n, stages, k_loop,
+                                                                                            n_tiles)
     assert (tile["BLOCK_M"], tile["BLOCK_K"]) == (64, 128)
 
 
@@ -729,7 +749,11 @@ def test_checks_fast_path_line_names_the_down_gemm_widths_the_fused_launch_is_pl
     from sglang_lora_tma_guard.lora_path import Mode, PathStatus
 
     fast = PathStatus(mode=Mode.FAST, installed=True, virtual_experts_fixed_upstream=False)
-    for table, widths in (({768: ((32, 1),), 256: ((16, 1),), 384: ((32, 1),)}, "256, 384 or 768"),
-                          ({384: ((32, 1),), 256: ((16, 1),)}, "256 or 384"), ({256: ((16, 1),)}, "256")):
+    for table, where in (
+            ({768: ((32, 1),), 256: ((16, 1),), 384: ((32, 1),)}, "up to rank 16 at a down GEMM K of 256, "
+                                                                    "up to rank 32 at a down GEMM K of 384 or 768"),
+            ({768: ((32, 1), (64, 2)), 256: ((8, 1), (32, 1)), 384: ((32, 1),)},
+             "up to rank 32 at a down GEMM K of 256 or 384, up to rank 64 at a down GEMM K of 768"),
+            ({256: ((16, 1),)}, "up to rank 16 at a down GEMM K of 256")):
         monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", table)
-        assert fast.describe().endswith(f"at a down GEMM K of {widths})")
+        assert fast.describe().endswith(f"large block-fp8 batches {where})")
