@@ -59,12 +59,13 @@ alone on an H100; no column tiles a program: the narrow GEMM (one column tile a 
   8192.
 - Six (tp 1, K 768): narrow. Six K steps a column tile pay for a program's prologue (the block's routes, scales,
   adapters and ranks), and the narrow grid has 16 times the wide one's programs: at 2048 tokens the wide one's few
-  hundred leave SMs idle. Over SGLang's list ordered by adapter, in one H100 run
-  (``benchmarks/results/lora_moe/k-loop/kernels/``, its ``own down + LoRA`` against ``wide down + LoRA``, the wide one
-  the K loop): rank 16 0.18 / 0.28 ms at 2048 tokens, 0.29 / 0.33 at 4096, 0.52 / 0.51 at 8192; rank 32 0.19 / 0.32,
-  0.31 / 0.38, 0.54 / 0.57; ranks up to 64 0.22 / 0.32, 0.35 / 0.42, 0.62 / 0.67. Without LoRA the narrow GEMM and
-  its input's fp8 quantization are a little faster than SGLang's GEMM with its own (0.49 against 0.52 ms at 8192
-  tokens, 0.16 against 0.17 at 2048)."""
+  hundred leave SMs idle. Over SGLang's list ordered by adapter, the down side (quantize + shrink + GEMM), narrow
+  against the wide kernel's K loop at its best tile, in one H100 run (``benchmarks/results/lora_moe/narrow/``): rank
+  16 0.15 / 0.21 ms at 1024 tokens, 0.20 / 0.28 at 2048, 0.34 / 0.38 at 4096, 0.61 / 0.60 at 8192; rank 32 0.16 /
+  0.23, 0.23 / 0.32, 0.36 / 0.43, 0.64 / 0.66; ranks up to 64 0.18 / 0.30, 0.25 / 0.35, 0.40 / 0.48, 0.71 / 0.75
+  (rank 8 as rank 16). Without LoRA the narrow GEMM and its input's fp8 quantization are a little faster than SGLang's
+  GEMM with its own, which runs SGLang's default tile here (no tuned file for this shape): 0.49 against 0.52 ms at
+  8192 tokens, 0.16 against 0.17 at 2048 (``.../k-loop/kernels/``)."""
 FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 65536)), 384: ((32, 65536),), 768: ((32, 16384), (64, 65536))}
 """Where ``=fast`` takes the fused down launch, by the down GEMM's K (a shard's expert intermediate width): (up
 to that max rank, from that many routes, tokens x top-k), block-fp8 experts; none past the last rank named, none at
@@ -81,12 +82,13 @@ fused against unfused (SGLang's down GEMM + the fast down hook), ms:
   0.27 / 0.34 at 4096; ranks 16 and 32 0.20 / 0.20 and 0.20 / 0.21 at 2048. Taken from 8192 tokens only, a
   margin an H200 is unlikely to close: its unfused side is relatively faster (at K 256 the H100 pays earlier,
   rank 32 from 2048 tokens against the H200's 8192).
-- K 768, Qwen3-30B-A3B at tp 1, on an H100 only, the narrow GEMM (``benchmarks/results/lora_moe/k-loop/kernels/``):
-  ranks 16 and 32 0.21 / 0.26 and 0.23 / 0.28 at 2048 tokens, 0.34 / 0.43 and 0.37 / 0.44 at 4096, 0.62 / 0.78 and
-  0.64 / 0.79 at 8192 (0.79–0.83); ranks up to 64 0.25 / 0.30, 0.40 / 0.46, 0.72 / 0.83 (0.84–0.88). Taken from
-  2048 tokens up to rank 32, where the margin (17–21%) is more than the H200's faster hook is likely to take back,
-  from 8192 past it (a 12–16% margin, most of which an H200's hook could take back). Rank 8 runs rank 16's
-  compiled kernel; its hook is 8% faster than rank 16's (``.../k-loop/r8/``).
+- K 768, Qwen3-30B-A3B at tp 1, on an H100 only, the narrow GEMM (``benchmarks/results/lora_moe/narrow/``): ranks
+  16 and 32 0.15 / 0.17 and 0.16 / 0.18 at 1024 tokens, 0.20 / 0.26 and 0.23 / 0.28 at 2048, 0.34 / 0.42 and 0.36 /
+  0.43 at 4096, 0.61 / 0.77 and 0.64 / 0.78 at 8192 (0.79–0.83 from 2048 tokens); rank 8 0.85–0.87 from 2048; ranks
+  up to 64 0.84–0.87 from 1024 tokens. Another run (``.../k-loop/kernels/``, ``lora_moe_kernels.py``'s parts) the
+  same within 3%. Taken from 2048 tokens up to rank 32, where the margin (13–21%) is more than an H200's faster hook
+  is likely to take back, from 8192 past it (a 13–16% margin at ranks up to 64, not placed on an H100 figure
+  alone below the largest batch, as at K 384).
 
 Other widths are not measured.
 """
