@@ -20,8 +20,9 @@
 # PROMPTS (default 8): the prompts each adapter's correctness requests take (client.py run and forced).
 # FP8=1: the model's projections in block fp8 (make_model.py --fp8, experts as Qwen3-30B-A3B-FP8 holds
 # them), adapters of ranks 8/16/16/16 (--max-lora-rank 16), scored against the bf16 checkpoint of the same
-# dequantized weights ("score" then calibrates the greedy runs' verdict on the no-LoRA run's). Its "fused" server takes the fused down GEMM for every batch; =fast
-# does not on this shape (K 768: measured slower, fused_lora.FASTER_FROM_ROUTES).
+# dequantized weights ("score" then calibrates the greedy runs' verdict on the no-LoRA run's). Its "fused" server
+# takes the fused down GEMM for every batch; =fast for the batches fused_lora.FASTER_FROM_ROUTES places it at (K 768:
+# from 2048 tokens at these ranks).
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 3; }
 source benchmarks/serving/server.sh
