@@ -210,7 +210,7 @@ def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_b
               shared_bytes: int | None = None) -> tuple[dict, int]:
     """The down GEMM's tile from SGLang's ``config`` and its column tiles a program: :data:`WIDE_TILES`' (or
     :data:`WIDE_TILES_BY_K_TILES`') for ``max_rank`` where the wide kernel takes K (``k`` in at most
-    ``WIDE_K_TILES`` tiles), else SGLang's and 0.
+    ``WIDE_K_TILES`` tiles), else SGLang's and 0; 0 too where the table places the narrow GEMM.
     ``shared_bytes``: what a program may use on the GPU (weights of ``weight_bytes`` an element). Where two pipeline
     stages of every K tile would not fit, the K steps run as a loop at SGLang's stages, each one K tile
     (``K_LOOP``); where even that would not, unrolled in one stage."""
