@@ -86,9 +86,9 @@ fused against unfused (SGLang's down GEMM + the fast down hook), ms:
   16 and 32 0.15 / 0.17 and 0.16 / 0.18 at 1024 tokens, 0.20 / 0.26 and 0.23 / 0.28 at 2048, 0.34 / 0.42 and 0.36 /
   0.43 at 4096, 0.61 / 0.77 and 0.64 / 0.78 at 8192 (0.79–0.83 from 2048 tokens); rank 8 0.85–0.87 from 2048; ranks
   up to 64 0.84–0.87 from 1024 tokens. Two more runs (``.../narrow/repro/``; ``.../k-loop/kernels/``,
-  ``lora_moe_kernels.py``'s parts) the same within 3%. Taken from 2048 tokens up to rank 32, where the margin (13–21%) is more than an H200's faster hook
-  is likely to take back, from 8192 past it (a 13–16% margin at ranks up to 64, not placed on an H100 figure
-  alone below the largest batch, as at K 384).
+  ``lora_moe_kernels.py``'s parts) the same within 3%. Taken from 2048 tokens up to rank 32, where the margin
+  (13–21%) is more than an H200's faster hook is likely to take back, from 8192 past it (a 13–16% margin at ranks
+  up to 64, not placed on an H100 figure alone below the largest batch, as at K 384).
 
 Other widths are not measured.
 """
