@@ -47,9 +47,14 @@ def variant(label: str) -> tuple[int, dict] | None:
     return int(fields.pop("N_TILES")), {name: int(value) for name, value in fields.items()}
 
 
+def kernels_row(row: dict) -> bool:
+    """A ``lora_moe_kernels.py`` row (not a ``down_gemm.py`` one)."""
+    return "ms_down_own_lora" in row
+
+
 def placed_ms(row: dict) -> float | None:
     """The row's fused down side at the tile ``fused_lora.wide_tile`` places, ms; None where it was not timed."""
-    if "ms_down_own_lora" in row:  # a lora_moe_kernels row: only SGLang's own tile, narrow, was timed fused
+    if kernels_row(row):  # only SGLang's own tile, narrow, was timed fused there
         config = {"BLOCK_SIZE_M": row["block_m"], "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
                   "num_warps": 4, "num_stages": 3}  # all but BLOCK_SIZE_M stand-ins: only the change is compared
         tile, n_tiles = fused_lora.wide_tile(config, 128, SHAPES[row["shape"]]["N"], max_rank(row["ranks"]), 1,
@@ -71,7 +76,7 @@ def placed_ms(row: dict) -> float | None:
 
 def fast_ms(row: dict) -> float:
     """The row's down side unfused, ms: SGLang's down GEMM + the fast down hook (its shrink and expand)."""
-    return row["ms_down_sglang"] + row["ms_shrink_dn"] + row["ms_expand_dn"] if "ms_down_own_lora" in row else row["ms fast"]
+    return row["ms_down_sglang"] + row["ms_shrink_dn"] + row["ms_expand_dn"] if kernels_row(row) else row["ms fast"]
 
 
 def policy(rows: list[dict], margin: float) -> tuple[dict[int, tuple[tuple[int, int], ...]], list[list]]:

@@ -405,18 +405,24 @@ def fused_and_unfused_are_as_right(sglang_plugins, problem, info) -> None:
     assert tiny_moe.rel_err(fused, expected_moe(problem, None)) > 0.05  # the adapters do change the output
 
 
+def launched_tiles(monkeypatch) -> list[tuple[dict, int]]:
+    """Each fused GEMM launch's tile and column tiles a program, in order, from now on (the launch itself runs)."""
+    from sglang_lora_tma_guard import moe_gemm
+
+    tiles = []
+    gemm = moe_gemm.moe_gemm
+    monkeypatch.setattr(moe_gemm, "moe_gemm", lambda *a, **k: tiles.append((k["tile"], k["n_tiles"])) or gemm(*a, **k))
+    return tiles
+
+
 @pytest.mark.slow  # as the other fused launches through the runner
 def test_the_fused_down_launch_over_three_k_tiles_runs_them_as_a_loop_in_sglangs_runner(sglang_plugins, runners,
                                                                                           monkeypatch):
     """A down GEMM of three block-fp8 K tiles (Qwen3-30B-A3B tp2's K 384) with adapters up to rank 16: the fused
     launch takes the wide kernel's K loop (``fused_lora.WIDE_TILES_BY_K_TILES``), through SGLang's own runner, as
     right against the float32 reference MoE as the unfused fast path."""
-    from sglang_lora_tma_guard import moe_gemm
-
     problem, info = make_case("mixed-ranks-top2", seed=1, ranks=(8, 16, 4, 16), intermediate=384)
-    tiles = []
-    gemm = moe_gemm.moe_gemm
-    monkeypatch.setattr(moe_gemm, "moe_gemm", lambda *a, **k: tiles.append((k["tile"], k["n_tiles"])) or gemm(*a, **k))
+    tiles = launched_tiles(monkeypatch)
     fused_and_unfused_are_as_right(sglang_plugins, problem, info)
     assert [(tile.get("K_LOOP"), n_tiles) for tile, n_tiles in tiles] == [(1, 16)]
 
@@ -428,12 +434,8 @@ def test_the_fused_down_launch_over_six_k_tiles_is_one_column_tile_a_program_in_
     """A down GEMM of six block-fp8 K tiles (Qwen3-30B-A3B tp1's K 768), adapters up to rank 16 and up to 64: the
     fused launch takes the narrow GEMM at SGLang's tile (``fused_lora.WIDE_TILES_BY_K_TILES``), through SGLang's own
     runner, as right against the float32 reference MoE as the unfused fast path."""
-    from sglang_lora_tma_guard import moe_gemm
-
     problem, info = make_case("mixed-ranks-top2", seed=1, ranks=ranks, intermediate=768)
-    tiles = []
-    gemm = moe_gemm.moe_gemm
-    monkeypatch.setattr(moe_gemm, "moe_gemm", lambda *a, **k: tiles.append((k["tile"], k["n_tiles"])) or gemm(*a, **k))
+    tiles = launched_tiles(monkeypatch)
     fused_and_unfused_are_as_right(sglang_plugins, problem, info)
     assert [n_tiles for _, n_tiles in tiles] == [0]
     assert "K_LOOP" not in tiles[0][0] and tiles[0][0]["BLOCK_N"] == problem.down_config["BLOCK_SIZE_N"]
