@@ -52,6 +52,7 @@ GRANULE = 64
 B as (rows, max_rank), rank innermost, so a rank-r row is a read of r * 2 bytes every max_rank * 2 bytes;
 rows of max_rank * 2 <= 64 bytes lie packed and are read whole."""
 KERNELS = ("route", "shrink_gu", "expand_gu", "shrink_dn", "expand_dn")
+GATE_UP_PARTS = ("act_sglang", "expand_act")
 DOWN_PARTS = ("down_sglang", "quant_own", "down_own_plain", "down_own", "down_own_lora", "down_wide",
               "down_wide_lora")
 
@@ -158,6 +159,20 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
     return parts
 
 
+def gate_up_parts(c1, t_gu, gb, routing, ids, slots, enabled, ranks, max_rank: int, config) -> dict:
+    """The gate-up side after the gate-up GEMM: SGLang's activation alone (its ``silu_and_mul``, which follows the
+    gate-up expand in a hooked call), and the expand and the activation in one kernel
+    (``lora_moe.expand_silu_and_mul``)."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
+
+    rows = c1.view(-1, c1.shape[2])
+    out = rows.new_empty(rows.shape[0], rows.shape[1] // 2)
+    return {"act_sglang": lambda: fused_moe.silu_and_mul(rows, out),
+            "expand_act": lambda: lora_moe.expand_silu_and_mul(out, rows, t_gu, gb, routing, topk_ids=ids,
+                                                               token_lora=slots, enabled=enabled, ranks=ranks,
+                                                               max_rank=max_rank, config=config)}
+
+
 def floor_ms(nbytes: float, flops: float = 0.0) -> float:
     return max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e3
 
@@ -194,6 +209,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     }
 
     kernels.update(down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, r, use_tma))
+    if halves == 2:
+        kernels.update(gate_up_parts(c1, t_gu, gb, routing, ids, slots, enabled, ranks, r, tiles.gate_up))
 
     builders = {"nohook": lambda h: None, "default": lambda h: original(h, info, ids),  # h: the runner's input
                 "fast": lambda h: lora_path.build_hooks(original, h, info, ids),
@@ -223,7 +240,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
             row[f"tb_s_{kernel}"] = nbytes / (times[kernel] * 1e-3) / 1e12
         if kernel in moved["granule"]:
             row[f"granule_floor_ms_{kernel}"] = floor_ms(*moved["granule"][kernel])
-    row.update({f"ms_{part}": times.get(part) for part in DOWN_PARTS})  # no quantization of a bf16 base
+    row.update({f"ms_{part}": times.get(part) for part in DOWN_PARTS + GATE_UP_PARTS})  # no quantization of a bf16 base
     row["ms_kernels"] = sum(times[k] for k in KERNELS)
     row["floor_ms_weights"] = floor_ms(moved["weights_bytes"])
     row["floor_ms_fusable"] = floor_ms(moved["fusable_bytes"])
@@ -271,6 +288,17 @@ def markdown(rows, meta) -> str:
                          "own down + LoRA", "wide down", "wide down + LoRA", "fast: expand down"],
                         ([r["shape"], r["ranks"], r["tokens"], *(ms(r[f"ms_{p}"]) for p in DOWN_PARTS),
                           ms(r["ms_expand_dn"])] for r in rows)),
+        "",
+        "The gate-up side after the gate-up GEMM (ms, gated experts): the fast hook's gate-up expand, SGLang's "
+        "activation (silu_and_mul), and the two in one kernel (lora_moe.expand_silu_and_mul).",
+        "",
+        tables.markdown(["shape", "ranks", "tokens", "expand gate-up", "SGLang activation", "expand + activation",
+                         "one kernel", "one kernel / both"],
+                        ([r["shape"], r["ranks"], r["tokens"], ms(r["ms_expand_gu"]), ms(r.get("ms_act_sglang")),
+                          ms(r["ms_expand_gu"] + r["ms_act_sglang"]) if r.get("ms_act_sglang") else "–",
+                          ms(r.get("ms_expand_act")),
+                          f"{r['ms_expand_act'] / (r['ms_expand_gu'] + r['ms_act_sglang']):.2f}"
+                          if r.get("ms_expand_act") else "–"] for r in rows)),
     ]) + "\n"
 
 

@@ -546,6 +546,77 @@ def _hook_kernel(
         tl.store(o_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=o_mask)
 
 
+@triton.jit
+def _act_kernel(
+    # Pointers: t (pairs, 2 * max_rank) float32 gate-up ranks; B (slots, experts or 1, 2 * half_width, max_rank);
+    # gate_up (pairs, 2 * half_width) the gate-up GEMM's rows, read only; out (pairs, half_width); the routing's
+    # sorted (rows,), block_key (blocks,), rows_used (1,); topk_ids (pairs,), token_lora (tokens,), enabled
+    # (slots,), ranks (slots,): which pairs the routing holds.
+    t_ptr, b_ptr, gate_up_ptr, out_ptr,
+    sorted_ptr, block_key_ptr, rows_used_ptr,
+    topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+    # Sizes.
+    num_pairs, half_width, num_experts, num_loras, max_rank, lora_blocks,
+    # Strides.
+    stride_tm, stride_bl, stride_be, stride_bn, stride_br, stride_gm, stride_om,
+    # Meta-parameters.
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    N_TILES: tl.constexpr, RANK_GRANULE: tl.constexpr,
+):
+    """``out[pair, n] = silu(gate + dgate) * (up + dup)``, ``gate = gate_up[pair, n]``, ``up = gate_up[pair,
+    half_width + n]``, each delta ``t[pair, half's ranks] @ B[adapter, expert, half's row n]`` (zero for a pair the
+    routing does not hold). The gate-up expand and SGLang's ``silu_and_mul`` in one pass: the gate-up rows are
+    read once and never written back, and the deltas are added in float32 before the activation. Grid (the
+    routing's ``lora_blocks`` blocks, then one program for each ``BLOCK_M`` pairs without a delta; column-tile
+    groups of the half width); every rank in one tile (``BLOCK_R >= max_rank``)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    first = pid_n * N_TILES * BLOCK_N
+    if pid_m < lora_blocks:
+        key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
+        if pid_m * BLOCK_M >= used:
+            return
+        adapter, expert, rank = _unpack(key, num_experts)
+        pair_ok = pairs < num_pairs
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rank
+        r_load = offs_r < _granule(rank, RANK_GRANULE)
+        t_ptrs = t_ptr + pairs[:, None] * stride_tm + offs_r[None, :]
+        t_mask = pair_ok[:, None] & r_load[None, :]
+        t_gate = tl.where(r_ok[None, :], tl.load(t_ptrs, mask=t_mask, other=0.0), 0.0).to(b_ptr.dtype.element_ty)
+        t_up = tl.where(r_ok[None, :], tl.load(t_ptrs + max_rank, mask=t_mask, other=0.0), 0.0)
+        t_up = t_up.to(b_ptr.dtype.element_ty)
+        b_base = (b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+                  + offs_r[:, None] * stride_br)
+        for j in range(N_TILES):
+            offs_n = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < half_width
+            g_ptrs = gate_up_ptr + pairs[:, None] * stride_gm + offs_n[None, :]
+            mask = pair_ok[:, None] & n_ok[None, :]
+            gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(g_ptrs + half_width, mask=mask, other=0.0).to(tl.float32)
+            b_mask = r_load[:, None] & n_ok[None, :]
+            b_gate = tl.load(b_base + offs_n[None, :] * stride_bn, mask=b_mask, other=0.0)
+            b_up = tl.load(b_base + (half_width + offs_n)[None, :] * stride_bn, mask=b_mask, other=0.0)
+            gate += tl.dot(t_gate, tl.where(r_ok[:, None], b_gate, 0.0))
+            up += tl.dot(t_up, tl.where(r_ok[:, None], b_up, 0.0))
+            tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :],
+                     (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        rows = (pid_m - lora_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_range = rows < num_pairs
+        _, _, _, held = _pairs(rows, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_loras,
+                               num_experts, TOPK)
+        row_ok = in_range & ~held  # the routing's pairs are the blocks' programs'
+        for j in range(N_TILES):
+            offs_n = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (offs_n < half_width)[None, :]
+            g_ptrs = gate_up_ptr + rows[:, None].to(tl.int64) * stride_gm + offs_n[None, :]
+            gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(g_ptrs + half_width, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                     (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """Tiles of one hook's two GEMMs (``BLOCK_M`` is the routing's)."""
@@ -665,6 +736,34 @@ def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Ro
         TOPK=out.shape[1], MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=routing.block_m, BLOCK_N=c.expand_block_n, BLOCK_R=c.expand_block_r, N_TILES=c.expand_n_tiles,
         ONE_R_TILE=c.expand_block_r >= max_rank, RANK_GRANULE=rank_granule(max_rank),
+        num_warps=c.expand_warps, num_stages=c.expand_stages,
+    )
+
+
+def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor,
+                        routing: Routing, *, topk_ids: torch.Tensor, token_lora: torch.Tensor, enabled: torch.Tensor,
+                        ranks: torch.Tensor, max_rank: int, config: StageConfig) -> None:
+    """``out = silu(gate) * up`` of ``gate_up`` (pairs, 2 * half_width: the gate half, then the up half) with the
+    gate-up delta added first (each half from its own ranks of ``t``, the gate-up shrink's), for every pair: the
+    gate-up expand of a gated MoE and SGLang's ``silu_and_mul`` in one kernel. ``gate_up`` is only read."""
+    c, num_pairs = config, routing.num_pairs
+    half_width = gate_up.shape[1] // 2
+    assert gate_up.dim() == 2 and gate_up.shape[0] == num_pairs and gate_up.stride(1) == 1, gate_up.shape
+    assert out.shape == (num_pairs, half_width) and out.stride(1) == 1, (out.shape, gate_up.shape)
+    assert lora_b.shape[2] == 2 * half_width and lora_b.shape[3] == max_rank, (lora_b.shape, gate_up.shape)
+    assert t.shape == (num_pairs, 2 * max_rank), (t.shape, max_rank)
+    assert 0 < max_rank <= MAX_RANK, max_rank
+    topk = num_pairs // token_lora.shape[0] if token_lora.shape[0] else 1
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    groups = cdiv(cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
+    launcher(_act_kernel)[(routing.max_blocks + cdiv(num_pairs, routing.block_m), groups)](
+        t, lora_b, gate_up, out, routing.sorted_ids, routing.block_key, routing.rows_used,
+        topk_ids, token_lora, enabled, ranks,
+        num_pairs, half_width, routing.num_experts, ranks.numel(), max_rank, routing.max_blocks,
+        t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
+        gate_up.stride(0), out.stride(0),
+        TOPK=topk, BLOCK_M=routing.block_m, BLOCK_N=c.expand_block_n, BLOCK_R=block_r,
+        N_TILES=c.expand_n_tiles, RANK_GRANULE=rank_granule(max_rank),
         num_warps=c.expand_warps, num_stages=c.expand_stages,
     )
 
