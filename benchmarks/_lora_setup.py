@@ -192,14 +192,15 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
 
 
 @contextlib.contextmanager
-def fused_down(on: bool):
-    """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``): placed as ``=fast``
-    places it, or with ``FUSED_DOWN=everywhere`` in the environment for every batch it covers (a tile ``=fast`` does
-    not place, timed and scored against the float32 reference); ``FUSED_DOWN=everywhere-narrow``: every batch, each
-    down GEMM one column tile a program (``moe_gemm``'s narrow kernel at SGLang's tile) whatever its K."""
+def fused_down(on: bool, act: bool = True):
+    """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``) and, with it unless
+    ``act`` is False, the gate-up delta in the activation (``fused_act``): placed as ``=fast`` places them, or with
+    ``FUSED_DOWN=everywhere`` in the environment for every batch they cover (a tile ``=fast`` does not place, timed
+    and scored against the float32 reference); ``FUSED_DOWN=everywhere-narrow``: every batch, each down GEMM one
+    column tile a program (``moe_gemm``'s narrow kernel at SGLang's tile) whatever its K."""
     import os
 
-    from sglang_lora_tma_guard import fused_lora
+    from sglang_lora_tma_guard import fused_act, fused_lora
 
     how = os.environ.get("FUSED_DOWN", "placed")
     if how not in ("placed", "everywhere", "everywhere-narrow"):
@@ -208,15 +209,21 @@ def fused_down(on: bool):
     if on and how == "everywhere-narrow":
         narrow = ((fused_lora.MAX_RANK, 0, {}),)
         fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES = narrow, {}
+    from_routes = fused_act.FROM_ROUTES
     if on:
         fused_lora.activate(everywhere=how != "placed")
+        if act:
+            fused_act.FROM_ROUTES = from_routes if how == "placed" else 0
+            fused_act.activate()
     else:
         fused_lora.deactivate()
     try:
         yield
     finally:
         fused_lora.deactivate()
+        fused_act.deactivate()
         fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES = tiles
+        fused_act.FROM_ROUTES = from_routes
 
 
 def fast_call(batch: LoRABatch):

@@ -12,10 +12,12 @@ Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 
   (its ``build_lora_hooks``), the fast hooked call, the same with every LoRA kernel on the call's own
   stream (``one stream``: ``lora_path.OVERLAP`` off, the routing and gate-up shrink in the gate-up hook,
   after the gate-up GEMM, instead of beside it), and the fast hooked call with the down expand in the
-  down GEMM's epilogue where ``sglang_lora_tma_guard.fused_lora`` takes the batch (``fused``: what
-  ``SGLANG_LORA_TMA_GUARD=fast`` serves);
+  down GEMM's epilogue where ``sglang_lora_tma_guard.fused_lora`` takes the batch and the gate-up expand in the
+  activation where ``sglang_lora_tma_guard.fused_act`` does (``fused``: what ``SGLANG_LORA_TMA_GUARD=fast``
+  serves; ``fused, gate-up hooked``: the same with the gate-up expand left in its hook);
 - each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
   gate-up shrink and expand, the down shrink and expand;
+- the gate-up side after the gate-up GEMM: the hook's expand, SGLang's activation, and the two in one kernel;
 - the fused down GEMM's parts: SGLang's down GEMM alone (its launcher, weights by TMA where the call asks),
   this package's (``moe_gemm``) without and with the LoRA epilogue, one column tile a program and wide (as
   ``fused_lora`` launches it, where K is short enough), and its fp8 quantization of the input (block fp8 only).
@@ -159,18 +161,20 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
     return parts
 
 
-def gate_up_parts(c1, t_gu, gb, routing, ids, slots, enabled, ranks, max_rank: int, config) -> dict:
+def gate_up_parts(c1, t_gu, gb, routing, ids, slots, enabled, ranks, max_rank: int) -> dict:
     """The gate-up side after the gate-up GEMM: SGLang's activation alone (its ``silu_and_mul``, which follows the
     gate-up expand in a hooked call), and the expand and the activation in one kernel
     (``lora_moe.expand_silu_and_mul``)."""
     from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
+
+    from sglang_lora_tma_guard import fused_act
 
     rows = c1.view(-1, c1.shape[2])
     out = rows.new_empty(rows.shape[0], rows.shape[1] // 2)
     return {"act_sglang": lambda: fused_moe.silu_and_mul(rows, out),
             "expand_act": lambda: lora_moe.expand_silu_and_mul(out, rows, t_gu, gb, routing, topk_ids=ids,
                                                                token_lora=slots, enabled=enabled, ranks=ranks,
-                                                               max_rank=max_rank, config=config)}
+                                                               max_rank=max_rank, tile=fused_act.TILE)}
 
 
 def floor_ms(nbytes: float, flops: float = 0.0) -> float:
@@ -210,20 +214,20 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
 
     kernels.update(down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, r, use_tma))
     if halves == 2:
-        kernels.update(gate_up_parts(c1, t_gu, gb, routing, ids, slots, enabled, ranks, r, tiles.gate_up))
+        kernels.update(gate_up_parts(c1, t_gu, gb, routing, ids, slots, enabled, ranks, r))
 
     builders = {"nohook": lambda h: None, "default": lambda h: original(h, info, ids),  # h: the runner's input
                 "fast": lambda h: lora_path.build_hooks(original, h, info, ids),
                 "one_stream": lambda h: one_stream(lambda: lora_path.build_hooks(original, h, info, ids))}
 
     def whole(kind: str):
-        with fused_down(kind == "fused"):
+        with fused_down(kind in ("fused", "fused_no_act"), act=kind == "fused"):
             return real_lora.run_runner(problem, None, use_tma=use_tma, build=builders.get(kind, builders["fast"]))
 
     guard.activate(weight_tma=True)
     with capture_mode():
         graphs = {kind: capture(lambda k=kind: whole(k))[0]
-                  for kind in ("nohook", "default", "fast", "one_stream", "fused")}
+                  for kind in ("nohook", "default", "fast", "one_stream", "fused", "fused_no_act")}
         graphs.update({kernel: capture(fn)[0] for kernel, fn in kernels.items()})
     times = replay_times(graphs)
     del graphs
@@ -231,6 +235,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "block_m": tiles.block_m,
            "pairs_with_delta": moved["pairs_with_delta"], "ms_nohook": times["nohook"], "ms_fast": times["fast"],
            "ms_fast_one_stream": times["one_stream"], "ms_fused": times["fused"], "ms_default": times["default"],
+           "ms_fused_no_act": times["fused_no_act"],
            "fast_speedup": times["default"] / times["fast"]}
     for kernel in KERNELS:
         row[f"ms_{kernel}"] = times[kernel]
@@ -269,12 +274,13 @@ def markdown(rows, meta) -> str:
              "fast - no hooks",
              "route", "shrink gate-up",
              "expand gate-up", "shrink down", "expand down", "LoRA weights floor", "fusable", "fused floor",
-             "fast / fused floor", "one stream / fused floor", "fused", "fused / fused floor"],
+             "fast / fused floor", "one stream / fused floor", "fused, gate-up hooked", "fused", "fused / fused floor"],
             ([r["shape"], r["ranks"], r["tokens"], ms(r["ms_nohook"]), ms(r["ms_default"]), ms(r["ms_fast"]),
               ms(r["ms_fast_one_stream"]), f"{r['fast_speedup']:.2f}x", ms(r["ms_fast"] - r["ms_nohook"]),
               ms(r["ms_route"]), per_kernel(r, "shrink_gu"), per_kernel(r, "expand_gu"), per_kernel(r, "shrink_dn"),
               per_kernel(r, "expand_dn"), ms(r["floor_ms_weights"]), ms(r["floor_ms_fusable"]), ms(r["fused_floor_ms"]),
-              f"{r['fast_over_fused_floor']:.2f}", f"{r['one_stream_over_fused_floor']:.2f}", ms(r["ms_fused"]),
+              f"{r['fast_over_fused_floor']:.2f}", f"{r['one_stream_over_fused_floor']:.2f}",
+              ms(r.get("ms_fused_no_act")), ms(r["ms_fused"]),
               f"**{r['fused_over_fused_floor']:.2f}**"]
              for r in rows)),
         "",

@@ -40,6 +40,9 @@ fi
 if [ "$what" = kernels ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.lora_moe_kernels --out "$OUT" "$@"
 fi
+if [ "$what" = act ]; then
+  timeout "${BENCH_S:-280}" python3 -m benchmarks.act_tiles --out "$OUT" "$@"
+fi
 if [ "$what" = race ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.overlap_race --out "$OUT" "$@"
 fi

@@ -31,6 +31,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import fused_act
 from .log import logger
 from .patching import Engaged, Patch
 
@@ -297,6 +298,8 @@ def _make(original, engaged: Engaged):
 
     @functools.wraps(original)
     def invoke_fused_moe_kernel(*args, **kwargs):
+        if fused_act.pending():  # a gate-up offer no activation took: finished into this launch's input first
+            fused_act.finish(args[0] if args else kwargs.get("A"))
         work = _take_offer()
         if work is None or not engaged.on:
             return original(*args, **kwargs)

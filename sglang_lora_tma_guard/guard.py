@@ -26,7 +26,7 @@ import functools
 import inspect
 from dataclasses import asdict, dataclass
 
-from . import weight_tma
+from . import fused_act, weight_tma
 from .inspection import (
     TARGET,
     TARGET_MODULE,
@@ -112,6 +112,7 @@ def make_guarded(original, inspection: Inspection, variant=None, engaged: Engage
     # on), and always with down_moe_use_tma=False.
     if variant is None and inspection.strategy is Strategy.WEIGHT_TMA:
         variant = weight_tma.build(original)
+    plain_silu = fused_act.plain_silu_reader(original)
 
     @functools.wraps(original)
     def _fused_moe_kernel_sequence(*args, **kwargs):
@@ -129,11 +130,20 @@ def make_guarded(original, inspection: Inspection, variant=None, engaged: Engage
             requested = kwargs.get("down_moe_use_tma", False)
             if "down_moe_use_tma" in kwargs:
                 kwargs["down_moe_use_tma"] = False
-        if variant is not None and requested and kwargs.get("use_fp8_w8a8") and kwargs.get("block_shape"):
-            return variant(*args, **kwargs)
-        return original(*args, **kwargs)
+        run = variant if variant is not None and requested and kwargs.get("use_fp8_w8a8") and kwargs.get(
+            "block_shape") else original
+        if plain_silu is None or torch_compiling():
+            return run(*args, **kwargs)
+        with fused_act.sequence(plain_silu(args, kwargs)):  # what its activation is, for the fast hooks
+            return run(*args, **kwargs)
 
     return _fused_moe_kernel_sequence
+
+
+def torch_compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def _make_fallback_guarded(original, inspection: Inspection, engaged: Engaged):

@@ -742,11 +742,13 @@ def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Ro
 
 def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor,
                         routing: Routing, *, topk_ids: torch.Tensor, token_lora: torch.Tensor, enabled: torch.Tensor,
-                        ranks: torch.Tensor, max_rank: int, config: StageConfig) -> None:
+                        ranks: torch.Tensor, max_rank: int, tile: dict) -> None:
     """``out = silu(gate) * up`` of ``gate_up`` (pairs, 2 * half_width: the gate half, then the up half) with the
     gate-up delta added first (each half from its own ranks of ``t``, the gate-up shrink's), for every pair: the
-    gate-up expand of a gated MoE and SGLang's ``silu_and_mul`` in one kernel. ``gate_up`` is only read."""
-    c, num_pairs = config, routing.num_pairs
+    gate-up expand of a gated MoE and SGLang's ``silu_and_mul`` in one kernel. ``gate_up`` is only read. ``tile``:
+    ``BLOCK_N``, ``N_TILES`` (column tiles a program), ``num_warps``, ``num_stages``
+    (:data:`~sglang_lora_tma_guard.fused_act.TILE`)."""
+    num_pairs = routing.num_pairs
     half_width = gate_up.shape[1] // 2
     assert gate_up.dim() == 2 and gate_up.shape[0] == num_pairs and gate_up.stride(1) == 1, gate_up.shape
     assert out.shape == (num_pairs, half_width) and out.stride(1) == 1, (out.shape, gate_up.shape)
@@ -755,16 +757,15 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
     assert 0 < max_rank <= MAX_RANK, max_rank
     topk = num_pairs // token_lora.shape[0] if token_lora.shape[0] else 1
     block_r = max(16, triton.next_power_of_2(max_rank))
-    groups = cdiv(cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
+    groups = cdiv(cdiv(half_width, tile["BLOCK_N"]), tile["N_TILES"])
     launcher(_act_kernel)[(routing.max_blocks + cdiv(num_pairs, routing.block_m), groups)](
         t, lora_b, gate_up, out, routing.sorted_ids, routing.block_key, routing.rows_used,
         topk_ids, token_lora, enabled, ranks,
         num_pairs, half_width, routing.num_experts, ranks.numel(), max_rank, routing.max_blocks,
         t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
         gate_up.stride(0), out.stride(0),
-        TOPK=topk, BLOCK_M=routing.block_m, BLOCK_N=c.expand_block_n, BLOCK_R=block_r,
-        N_TILES=c.expand_n_tiles, RANK_GRANULE=rank_granule(max_rank),
-        num_warps=c.expand_warps, num_stages=c.expand_stages,
+        TOPK=topk, BLOCK_M=routing.block_m, BLOCK_N=tile["BLOCK_N"], BLOCK_R=block_r, N_TILES=tile["N_TILES"],
+        RANK_GRANULE=rank_granule(max_rank), num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
 
 

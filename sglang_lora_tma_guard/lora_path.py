@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from enum import Enum
 
-from . import fused_lora
+from . import fused_act, fused_lora
 from .log import logger
 from .patching import LOCK, Engaged, Patch
 
@@ -168,12 +168,18 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
                 and x.dtype == cache.dtype == hidden_states.dtype)
 
     def after_gate_up(hidden, cache1, topk_weights, topk_ids_now):
+        held = join.inputs  # the routing's inputs, which a gate-up offer reads too (the join lets go of them)
         join()
         if (tuple(topk_ids_now.shape) != shape or cache1.shape[2] != lora_info.gate_up_lora_b_weights.shape[2]
                 or not fits(hidden, cache1, tokens, hidden_states.shape[1])):
             _say_once("a gate-up call whose buffers differ from its batch's")
             return sglang_hooks().after_gate_up(hidden, cache1, topk_weights, topk_ids_now)
-        if t_gate_up is not None and hidden is hidden_states:
+        if halves == 2 and len(held) == 4 and fused_act.ready(tokens * topk):  # the activation adds the delta
+            t = t_gate_up if t_gate_up is not None and hidden is hidden_states else lora_moe.shrink(
+                hidden, lora_info.gate_up_lora_a_weights, routing, topk=topk, max_rank=r, halves=2, config=tiles.gate_up)
+            fused_act.offer(fused_act.ActWork(cache1, t, lora_info.gate_up_lora_b_weights, routing, *held, r,
+                                              tiles.gate_up))
+        elif t_gate_up is not None and hidden is hidden_states:
             lora_moe.expand(cache1, t_gate_up, lora_info.gate_up_lora_b_weights, routing, max_rank=r, halves=halves,
                             topk_weights=None, config=tiles.gate_up)
         else:
@@ -347,8 +353,10 @@ def activate(mode: Mode) -> None:
     PATCH.activate()
     if _state.mode is Mode.FAST:
         fused_lora.activate()  # the down delta in the down GEMM, for the batches it is measured faster on
+        fused_act.activate()  # the gate-up delta in the activation, likewise
     else:
         fused_lora.deactivate()
+        fused_act.deactivate()
 
 
 def deactivate() -> None:
@@ -357,6 +365,7 @@ def deactivate() -> None:
         _state.mode = None
     PATCH.deactivate()
     fused_lora.deactivate()
+    fused_act.deactivate()
 
 
 def bypassed_by(server_args) -> str | None:

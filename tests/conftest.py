@@ -51,9 +51,10 @@ def sglang_plugins(fm, monkeypatch):
     yield load
     # Everything load_plugins() placed: the TMA guard and every fix of the catalogue (the adapter fixes
     # included: left on, they leaked into later tests of the same worker that expect SGLang alone).
-    from sglang_lora_tma_guard import fused_lora, lora_path, serving
+    from sglang_lora_tma_guard import fused_act, fused_lora, lora_path, serving
 
     serving.deactivate()
     guard.deactivate()
     lora_path.deactivate()
     fused_lora.deactivate()
+    fused_act.deactivate()

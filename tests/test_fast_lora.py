@@ -23,7 +23,7 @@ import torch
 
 from harness import real_lora, tiny_moe
 from harness.reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
-from sglang_lora_tma_guard import lora_moe, lora_path, tuning
+from sglang_lora_tma_guard import fused_act, lora_moe, lora_path, tuning
 
 pytestmark = pytest.mark.real
 
@@ -794,7 +794,7 @@ def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32
     before = gate_up.clone()
     lora_moe.expand_silu_and_mul(out, gate_up.view(tokens * topk, -1), t, info.gate_up_lora_b_weights, routing,
                                  topk_ids=problem.topk_ids, token_lora=slots, enabled=enabled, ranks=ranks, max_rank=r,
-                                 config=config)
+                                 tile=fused_act.TILE)
     assert torch.equal(gate_up, before)  # read only
     error = float((out.float() - expected).abs().max() / expected.abs().max())
     hooked = silu_and_mul_reference(run_hooks_gate_up(gate_up, problem, info)).view(tokens * topk, -1)
@@ -819,3 +819,111 @@ def inspect_unwrap(fn):
     import inspect
 
     return inspect.unwrap(fn)
+
+
+def torch_silu_and_mul(calls):
+    """SGLang's CUDA ``silu_and_mul(input, out)`` contract in PyTorch (the CPU has no CUDA kernel), its calls counted."""
+    def silu_and_mul(rows, out, **kwargs):
+        calls.append(kwargs)
+        out.copy_(silu_and_mul_reference(rows.float()).to(out.dtype))
+
+    return silu_and_mul
+
+
+@pytest.mark.parametrize("activation", ["silu_and_mul", "portable"])
+def test_the_gate_up_delta_is_added_by_the_activation_in_sglangs_runner(sglang_plugins, runners, monkeypatch,
+                                                                       activation):
+    """``=fast`` through ``load_plugins()``, the gate-up work offered to the activation (``fused_act``; placed from
+    ``FROM_ROUTES``, lowered here): in SGLang's runner the call is as right against the float32 reference MoE as
+    the hooks' (tolerance as above) and the hook adds nothing into the gate-up rows. Where SGLang's sequence calls
+    its CUDA ``silu_and_mul`` (``_is_cuda``; PyTorch's math in its place here) the one kernel runs instead of it;
+    where it runs its portable activation (SGLang on the CPU) the down launch writes the activation again, delta
+    included. Without the guard's wrapper (which reads the call's activation) nothing is offered."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
+
+    from sglang_lora_tma_guard import fused_act
+
+    problem, info = make_case("mixed-ranks-top2", seed=1)
+    reference = expected_moe(problem, ReferenceLoRAHooks(info))
+    sglang_plugins("fast")
+    hooked = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+
+    calls, kernels, in_place = [], [], []
+    if activation == "silu_and_mul":
+        fused_act.deactivate()
+        monkeypatch.setattr(fused_moe, "_is_cuda", True)
+        monkeypatch.setattr(fused_moe, "silu_and_mul", torch_silu_and_mul(calls), raising=False)
+    run, add = fused_act.ActWork.activation, fused_act.ActWork.add_in_place
+    monkeypatch.setattr(fused_act.ActWork, "activation", lambda self, out: kernels.append(out.shape) or run(self, out))
+    monkeypatch.setattr(fused_act.ActWork, "add_in_place", lambda self: in_place.append(1) or add(self))
+    monkeypatch.setattr(fused_act, "FROM_ROUTES", 0)
+    try:
+        fused_act.activate()
+        assert fused_act.PATCH.status().installed == (activation == "silu_and_mul")
+        fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    finally:
+        fused_act.deactivate()  # off SGLang's attribute before monkeypatch takes it away
+    pairs = TOKENS * CASES["mixed-ranks-top2"].topk
+    assert kernels == [(pairs, problem.w2.shape[2])] and not in_place and not calls
+    fused_err, hooked_err = tiny_moe.rel_err(fused, reference), tiny_moe.rel_err(hooked, reference)
+    assert fused_err < 1e-2 and fused_err <= hooked_err + ONE_FP16_STEP, (fused_err, hooked_err)
+    assert tiny_moe.rel_err(fused, expected_moe(problem, None)) > 0.05
+
+    from sglang_lora_tma_guard import guard as tma_guard
+
+    tma_guard.deactivate()  # no wrapper to read the activation: the hook adds the delta itself
+    fused_act.activate()
+    kernels.clear()
+    unguarded = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=False)
+    fused_act.deactivate()
+    assert not kernels and tiny_moe.rel_err(unguarded, reference) < 1e-2
+
+
+def test_only_a_plain_silu_call_has_its_gate_up_work_offered_to_the_activation(runners):
+    """The guard's reader of SGLang's own sequence signature: silu, gated, no alpha, limit, clamp or SwiGLU fused
+    into the GEMM; any of them, or another activation, and the hook adds the delta itself."""
+    import inspect
+
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
+
+    from sglang_lora_tma_guard import fused_act
+
+    original = inspect.unwrap(fused_moe._fused_moe_kernel_sequence)
+    reader = fused_act.plain_silu_reader(original)
+    names = list(inspect.signature(original).parameters)
+    plain = {"activation": "silu", "is_gated": True, "gemm1_alpha": None, "gemm1_limit": None}
+    assert reader((), plain)
+    positional = tuple(plain.get(name, None) for name in names[:names.index("gemm1_limit") + 1])
+    assert reader(positional, {})
+    for change in ({"activation": "gelu"}, {"is_gated": False}, {"gemm1_alpha": 1.7}, {"gemm1_limit": 7.0},
+                   {"swiglu_limit": 10.0}):
+        assert not reader((), {**plain, **change}), change
+    assert not reader((), {k: v for k, v in plain.items() if k != "activation"})  # no default to fall back on
+    assert fused_act.plain_silu_reader(lambda hidden_states, activation: None) is None
+
+
+def test_an_activation_called_on_other_rows_than_offered_adds_the_delta_first():
+    """SGLang's ``silu_and_mul`` as placed: an offer it cannot take (other rows, more arguments) is the hook's own
+    work first, then SGLang's function as called; with no offer, SGLang's function alone."""
+    from sglang_lora_tma_guard import fused_act
+    from sglang_lora_tma_guard.patching import Engaged
+
+    seen = []
+    wrapper = fused_act._make(lambda *a, **k: seen.append(("sglang", a, k)), Engaged())
+    work = SimpleNamespace(fits=lambda rows, out: False, add_in_place=lambda: seen.append("in place"),
+                           activation=lambda out: seen.append("kernel"))
+    fused_act.offer(work)
+    wrapper("rows", "out")
+    assert seen == ["in place", ("sglang", ("rows", "out"), {})]
+    seen.clear()
+    wrapper("rows", "out", expert_ids="e")  # no offer
+    assert seen == [("sglang", ("rows", "out"), {"expert_ids": "e"})]
+    seen.clear()
+    work.fits = lambda rows, out: True
+    fused_act.offer(work)
+    wrapper("rows", "out", expert_ids="e")
+    assert seen[0] == "in place"
+    fused_act.offer(work)
+    seen.clear()
+    wrapper("rows", "out")
+    assert seen == ["kernel"] and not fused_act.pending()

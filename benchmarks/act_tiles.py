@@ -1,0 +1,93 @@
+"""Tiles of ``lora_moe.expand_silu_and_mul`` (the gate-up expand and the activation in one kernel) against the fast
+hook's gate-up expand followed by SGLang's ``silu_and_mul``, on a GPU.
+
+    python -m benchmarks.act_tiles [--shapes qwen3-30b-tp1] [--tokens 256 2048 8192] [--rank-sets r16 mixed]
+
+Per batch (``benchmarks/_lora_setup.py``'s: SGLang's ``LoRAInfo``, four adapters and the base model), CUDA-graph
+replays, best of 5 x 50, interleaved: ``both`` (the expand at the shipped tile, then SGLang's activation), and the
+one kernel at its shipped tile (``fused_act.TILE``) and at each tile of :data:`TILES` (BLOCK_N, column tiles a program, warps,
+stages). Writes ``act_tiles.json`` / ``.md``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from benchmarks._bench import benchmark_parser, capture, replay_times
+from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
+from harness import tables
+from sglang_lora_tma_guard import fused_act, lora_moe, lora_path, tuning
+
+TILES = [(bn, n, w, s) for bn, ns in ((32, (4, 8)), (64, (1, 2, 4, 6)), (128, (1, 2, 3)))
+         for n in ns for w in (4, 8) for s in (2, 3)]
+
+
+def label(tile) -> str:
+    return "N{}x{} w{} s{}".format(*tile)
+
+
+def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
+
+    batch = lora_batch(shape, ranks_name, tokens, weights)
+    problem, info, c1 = batch.problem, batch.info, batch.cache1
+    ids, hidden = problem.topk_ids, problem.hidden_states
+    topk, r = ids.shape[1], int(info.max_lora_rank)
+    ga, gb = info.gate_up_lora_a_weights, info.gate_up_lora_b_weights
+    ranks, enabled = info.lora_ranks.to(torch.int32), info.adapter_enabled.to(torch.int32)
+    slots = lora_path.token_adapters(info, tokens)
+    plan = tuning.plan(tokens * topk, hidden.shape[1], info.down_lora_a_weights.shape[3], gb.shape[1], ranks.numel(), r)
+    routing = lora_moe.route(ids, slots, enabled, ranks, gb.shape[1], plan.block_m)
+    t = lora_moe.shrink(hidden, ga, routing, topk=topk, max_rank=r, halves=2, config=plan.gate_up)
+    rows = c1.view(-1, c1.shape[2])
+    out = rows.new_empty(rows.shape[0], rows.shape[1] // 2)
+
+    def both():
+        lora_moe.expand(c1, t, gb, routing, max_rank=r, halves=2, topk_weights=None, config=plan.gate_up)
+        fused_moe.silu_and_mul(rows, out)
+
+    def one(tile):
+        return lambda: lora_moe.expand_silu_and_mul(out, rows, t, gb, routing, topk_ids=ids, token_lora=slots,
+                                                    enabled=enabled, ranks=ranks, max_rank=r, tile=tile)
+
+    variants = {"both": both, "shipped": one(fused_act.TILE)}
+    for bn, n, w, s in TILES:
+        variants[label((bn, n, w, s))] = one({"BLOCK_N": bn, "N_TILES": n, "num_warps": w, "num_stages": s})
+    with capture_mode():
+        graphs = {}
+        for key, fn in variants.items():
+            try:
+                graphs[key] = capture(fn)[0]
+            except Exception as error:  # a tile past the GPU's resources
+                print(f"{key}: {type(error).__name__}: {str(error)[:120]}", flush=True)
+    times = replay_times(graphs)
+    best = min((k for k in times if k not in ("both",)), key=times.get)
+    return {"shape": name, "ranks": ranks_name, "tokens": tokens, "block_m": plan.block_m, "ms": times, "best": best}
+
+
+def markdown(rows, meta) -> str:
+    return "\n".join([
+        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. ms per call, CUDA-graph "
+        "replay, best of 5 x 50 (interleaved). both: the gate-up expand (shipped tile) + SGLang's silu_and_mul; "
+        "one kernel: lora_moe.expand_silu_and_mul at its shipped tile (fused_act.TILE) and at its best tile (BLOCK_N x column "
+        "tiles a program, warps, stages).",
+        "",
+        tables.markdown(["shape", "ranks", "tokens", "both", "one kernel, shipped tile", "best tile", "one kernel, best",
+                         "best / both"],
+                        ([r["shape"], r["ranks"], r["tokens"], f"{r['ms']['both']:.3f}", f"{r['ms']['shipped']:.3f}",
+                          r["best"], f"{r['ms'][r['best']]:.3f}", f"{r['ms'][r['best']] / r['ms']['both']:.2f}"]
+                         for r in rows)),
+    ]) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = benchmark_parser(__doc__, [256, 2048, 8192])
+    add_base_option(parser)
+    parser.add_argument("--rank-sets", nargs="+", default=["r16", "mixed"])
+    return run_batches(parser.parse_args(argv), "act_tiles", measure, markdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

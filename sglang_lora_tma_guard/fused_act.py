@@ -1,0 +1,235 @@
+"""The gate-up LoRA expand inside the activation, for batches on the fast path.
+
+A hooked MoE call otherwise adds the gate-up delta into the gate-up GEMM's output ``(tokens, topk, 2I)`` (the
+hook reads it and writes it back), and SGLang's activation then reads it again to write ``silu(gate) * up``.
+Here one kernel (:func:`~sglang_lora_tma_guard.lora_moe.expand_silu_and_mul`) reads the rows once, adds the
+delta in float32 and writes the activation: the read-modify-write of the largest buffer of the call's first
+half is gone, and one launch with it.
+
+The seams. SGLang's ``_fused_moe_kernel_sequence`` (0.5.11-0.5.23) calls ``hooks.after_gate_up`` on the
+gate-up rows, then its activation, then ``invoke_fused_moe_kernel`` for the down GEMM. The fast path's
+``after_gate_up`` *offers* the gate-up work instead of adding the delta (:func:`offer`: thread-local, one shot)
+only where the guard's wrapper around the sequence has read from the call's own arguments that its activation
+is ``silu(gate) * up`` with nothing else (:func:`plain_silu_reader`: ``activation="silu"``, gated, no alpha,
+limit or clamp, no SwiGLU fused into the GEMM). Then, in every branch SGLang may take, the activation's output
+is that function of the rows, and the offer is kept whichever runs:
+
+- SGLang's ``silu_and_mul`` (looked up in its module at call time; CUDA) takes it when it is called on the very
+  rows offered, into an output of their shape, with no other argument: the one kernel runs instead;
+- called on anything else, it first adds the delta into the rows as the hook would have, then runs as it is;
+- any other activation (SGLang's portable ones off CUDA) ran on the rows without the delta: the down GEMM's
+  launch, the next launch in the sequence, takes the offer first (:func:`finish`) and writes the activation
+  again, delta included, into its input, before anything reads it.
+
+``=fast`` places it from :data:`FROM_ROUTES` routes; elsewhere the hook's expand runs. Not under
+``torch.compile``. Right: ``tests/test_fast_lora.py``; measured: ``docs/lora_moe_floor.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .log import logger
+from .patching import Engaged, Patch
+
+MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
+NAME = "silu_and_mul"
+FROM_ROUTES = 2048
+"""Where ``=fast`` takes the gate-up work into the activation: from this many routes (tokens x top-k). The one
+kernel against the expand + SGLang's ``silu_and_mul`` on Qwen3-30B-A3B tp1, an H100
+(``benchmarks/results/lora_moe/act/``): rank 16 0.045 / 0.074 ms at 2048 tokens, 0.196 / 0.293 at 8192; ranks up
+to 64 0.087 / 0.106 and 0.265 / 0.327."""
+TILE = {"BLOCK_N": 64, "N_TILES": 1, "num_warps": 4, "num_stages": 2}
+"""The one kernel's tile (the fastest of ``benchmarks/act_tiles.py``'s on every batch measured but ranks up to 64
+at 8192 tokens, 11% behind the best there)."""
+
+if TYPE_CHECKING:
+    import torch
+
+_local = threading.local()
+_placed = False
+
+
+def plain_silu_reader(original):
+    """A reader of ``original``'s (SGLang's sequence's) arguments: ``reader(args, kwargs)`` is True where that
+    call's activation is ``silu(gate) * up`` and nothing else; None where its signature lacks what it reads."""
+    try:
+        params = list(inspect.signature(original).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params]
+    required = ("activation", "is_gated", "gemm1_alpha", "gemm1_limit")
+    if any(name not in names for name in required):
+        return None
+    # name -> (position, default, the value the plain activation needs or None for "is None")
+    wanted = {"activation": "silu", "is_gated": True, "gemm1_alpha": None, "gemm1_limit": None,
+              "swiglu_limit": None, "fuse_swiglu_interleaved": False}
+    checks = [(names.index(n), n, params[names.index(n)].default, v) for n, v in wanted.items() if n in names]
+
+    def reader(args, kwargs) -> bool:
+        for at, name, default, value in checks:
+            given = args[at] if at < len(args) else kwargs.get(name, default)
+            if given is inspect.Parameter.empty or (given is not value if value is None or isinstance(value, bool)
+                                                    else given != value):
+                return False
+        return True
+
+    return reader
+
+
+@contextlib.contextmanager
+def sequence(plain_silu: bool):
+    """The guard's wrapper runs SGLang's sequence inside this: what its activation is, for :func:`ready`."""
+    before = getattr(_local, "plain_silu", False)
+    _local.plain_silu = plain_silu
+    try:
+        yield
+    finally:
+        _local.plain_silu = before
+        stale = getattr(_local, "work", None)
+        if stale is not None:  # offered and never taken: the sequence ended without a down launch
+            _local.work = None
+            logger.error("a gate-up LoRA delta offered to the activation was never added; the fast hooks add it "
+                         "themselves from now on")
+            _disable("an offer was left")
+
+
+@dataclass
+class ActWork:
+    """One batch's gate-up LoRA, offered to the activation: the rows it belongs in, the gate-up shrink's ranks,
+    the gate-up B buffer, the batch's routing and adapters, the expand's tiles (for :meth:`add_in_place`)."""
+
+    rows: torch.Tensor
+    """The gate-up rows as the hook was given them, (tokens, topk, 2I)."""
+    t: torch.Tensor
+    lora_b: torch.Tensor
+    routing: object
+    topk_ids: torch.Tensor
+    token_lora: torch.Tensor
+    enabled: torch.Tensor
+    ranks: torch.Tensor
+    max_rank: int
+    expand_tiles: object
+
+    def fits(self, rows: torch.Tensor, out: torch.Tensor) -> bool:
+        """Are ``rows`` this batch's gate-up rows (the same memory, one row a route) and ``out`` their activation's
+        place?"""
+        pairs, width = self.routing.num_pairs, self.rows.shape[2]
+        return (rows.dim() == 2 and tuple(rows.shape) == (pairs, width) and rows.data_ptr() == self.rows.data_ptr()
+                and rows.stride(1) == 1 and out.dim() == 2 and out.shape[0] >= pairs and out.shape[1] * 2 == width
+                and out.stride(1) == 1 and out.dtype == rows.dtype)
+
+    def activation(self, out: torch.Tensor) -> None:
+        """``out[:pairs] = silu(gate) * up`` of the rows with the delta added (the one kernel)."""
+        from . import lora_moe
+
+        pairs = self.routing.num_pairs
+        lora_moe.expand_silu_and_mul(out[:pairs], self.rows.view(pairs, -1), self.t, self.lora_b, self.routing,
+                                     topk_ids=self.topk_ids, token_lora=self.token_lora, enabled=self.enabled,
+                                     ranks=self.ranks, max_rank=self.max_rank, tile=TILE)
+
+    def add_in_place(self) -> None:
+        """The hook's own work: the delta added into the rows."""
+        from . import lora_moe
+
+        lora_moe.expand(self.rows, self.t, self.lora_b, self.routing, max_rank=self.max_rank, halves=2,
+                        topk_weights=None, config=self.expand_tiles)
+
+
+def ready(routes: int) -> bool:
+    """Would the gate-up work of a batch of ``routes`` routes be offered to the activation now? (Placed, inside
+    a sequence whose activation is plain SiLU, the down launch's seam working, not compiling.)"""
+    if not (_placed and getattr(_local, "plain_silu", False) and routes >= FROM_ROUTES):
+        return False
+    import torch
+
+    from . import fused_lora
+
+    return not torch.compiler.is_compiling() and fused_lora.PATCH.status().working
+
+
+def offer(work: ActWork) -> None:
+    _local.work = work
+
+
+def pending() -> bool:
+    return getattr(_local, "work", None) is not None
+
+
+def _take() -> ActWork | None:
+    work = getattr(_local, "work", None)
+    _local.work = None
+    return work
+
+
+def finish(a) -> None:
+    """At the down launch (``a``: its input, the activation's output): an offer no activation took is
+    finished here, the activation written again with the delta."""
+    work = _take()
+    if work is None:
+        return
+    import torch
+
+    if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] >= work.routing.num_pairs \
+            and a.shape[1] * 2 == work.rows.shape[2] and a.stride(1) == 1 and a.dtype == work.rows.dtype:
+        work.activation(a)
+        _say_once("the gate-up LoRA delta of fast batches is added in the activation (at the down launch)")
+        return
+    logger.error("the down launch after a gate-up offer has an input of another shape (%s); the fast hooks add "
+                 "the gate-up delta themselves from now on", tuple(getattr(a, "shape", ())))
+    _disable("a down input of another shape")
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.info("%s (logged once)", message)
+
+
+def _disable(why: str) -> None:
+    global _placed
+    _placed = False
+    logger.warning("the gate-up LoRA delta in the activation is off in this process: %s", why)
+
+
+def _make(original, engaged: Engaged):
+    if not callable(original):
+        return None  # off CUDA SGLang's sequence has no silu_and_mul: the down launch finishes every offer
+
+    @functools.wraps(original)
+    def silu_and_mul(*args, **kwargs):
+        work = _take()
+        if work is None:
+            return original(*args, **kwargs)
+        if engaged.on and len(args) == 2 and not kwargs and work.fits(*args):
+            work.activation(args[1])
+            _say_once("the gate-up LoRA delta of fast batches is added in the activation")
+            return None
+        work.add_in_place()  # another call than the one offered for: the hook's own work, then SGLang's
+        return original(*args, **kwargs)
+
+    return silu_and_mul
+
+
+PATCH = Patch("gate-up LoRA in the activation", MODULE, NAME, _make)
+
+
+def activate() -> None:
+    """Offer the gate-up work of fast batches from :data:`FROM_ROUTES` routes to the activation."""
+    global _placed
+    _placed = True
+    PATCH.activate()
+
+
+def deactivate() -> None:
+    global _placed
+    _placed = False
+    PATCH.deactivate()
