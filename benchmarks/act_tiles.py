@@ -6,7 +6,7 @@ hook's gate-up expand followed by SGLang's ``silu_and_mul``, on a GPU.
 Per batch (``benchmarks/_lora_setup.py``'s: SGLang's ``LoRAInfo``, four adapters and the base model), CUDA-graph
 replays, best of 5 x 50, interleaved: ``both`` (the expand at the shipped tile, then SGLang's activation), and the
 one kernel at its shipped tile (``fused_act.TILE``) and at each tile of :data:`TILES` (BLOCK_N, column tiles a program, warps,
-stages). Writes ``act_tiles.json`` / ``.md``.
+stages, ranks a tile). Writes ``act_tiles.json`` / ``.md``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
 from harness import tables
 from sglang_lora_tma_guard import fused_act, lora_moe, lora_path, tuning
 
-TILES = [(bn, n, w, s) for bn, ns in ((32, (4, 8)), (64, (1, 2, 4, 6)), (128, (1, 2, 3)))
-         for n in ns for w in (4, 8) for s in (2, 3)]
+TILES = [(bn, n, w, 2, r) for bn, n in ((32, 8), (64, 1), (64, 6), (128, 1)) for w in (4, 8) for r in (None, 16)]
+"""(BLOCK_N, column tiles a program, warps, stages, BLOCK_R: None for every rank in one tile): the best of a first
+sweep (``benchmarks/results/lora_moe/act/``: 4, 8 column tiles of 32; 1, 2, 4, 6 of 64; 1, 2, 3 of 128; stages 2
+and 3, the same within 1%), with and without rank tiles of 16."""
 
 
 def label(tile) -> str:
-    return "N{}x{} w{} s{}".format(*tile)
+    return "N{}x{} w{} s{}".format(*tile[:4]) + (f" R{tile[4]}" if tile[4] else "")
 
 
 def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
@@ -53,8 +55,9 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
                                                     enabled=enabled, ranks=ranks, max_rank=r, tile=tile)
 
     variants = {"both": both, "shipped": one(fused_act.TILE)}
-    for bn, n, w, s in TILES:
-        variants[label((bn, n, w, s))] = one({"BLOCK_N": bn, "N_TILES": n, "num_warps": w, "num_stages": s})
+    for tile in TILES:
+        bn, n, w, s, block_r = tile
+        variants[label(tile)] = one({"BLOCK_N": bn, "N_TILES": n, "num_warps": w, "num_stages": s, "BLOCK_R": block_r})
     with capture_mode():
         graphs = {}
         for key, fn in variants.items():

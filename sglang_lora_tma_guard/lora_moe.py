@@ -547,6 +547,29 @@ def _hook_kernel(
 
 
 @triton.jit
+def _rank_tiles(t_ptrs, pair_ok, offs_r, rank, max_rank, RANK_GRANULE: tl.constexpr, dtype: tl.constexpr):
+    """A block's gate and up ranks of ``t`` (float32) from ``t_ptrs`` on, up to ``rank``, in ``dtype``."""
+    r_ok = offs_r < rank
+    mask = pair_ok[:, None] & (offs_r < _granule(rank, RANK_GRANULE))[None, :]
+    t_gate = tl.where(r_ok[None, :], tl.load(t_ptrs, mask=mask, other=0.0), 0.0).to(dtype)
+    t_up = tl.where(r_ok[None, :], tl.load(t_ptrs + max_rank, mask=mask, other=0.0), 0.0).to(dtype)
+    return t_gate, t_up
+
+
+@triton.jit
+def _add_rank_tile(gate, up, t_gate, t_up, b_base, offs_n, n_ok, offs_r, rank, half_width, stride_bn,
+                   RANK_GRANULE: tl.constexpr):
+    """``gate`` and ``up`` (float32) plus the rank tile's deltas: B's gate rows ``offs_n``, its up rows
+    ``half_width + offs_n``."""
+    r_ok = offs_r < rank
+    b_mask = (offs_r < _granule(rank, RANK_GRANULE))[:, None] & n_ok[None, :]
+    b_gate = tl.load(b_base + offs_n[None, :] * stride_bn, mask=b_mask, other=0.0)
+    b_up = tl.load(b_base + (half_width + offs_n)[None, :] * stride_bn, mask=b_mask, other=0.0)
+    return (gate + tl.dot(t_gate, tl.where(r_ok[:, None], b_gate, 0.0)),
+            up + tl.dot(t_up, tl.where(r_ok[:, None], b_up, 0.0)))
+
+
+@triton.jit
 def _act_kernel(
     # Pointers: t (pairs, 2 * max_rank) float32 gate-up ranks; B (slots, experts or 1, 2 * half_width, max_rank);
     # gate_up (pairs, 2 * half_width) the gate-up GEMM's rows, read only; out (pairs, half_width); the routing's
@@ -562,13 +585,14 @@ def _act_kernel(
     # Meta-parameters.
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     N_TILES: tl.constexpr, RANK_GRANULE: tl.constexpr,
+    ONE_R_TILE: tl.constexpr,  # BLOCK_R >= max_rank; else each block's ranks in tiles of BLOCK_R, up to its own
 ):
     """``out[pair, n] = silu(gate + dgate) * (up + dup)``, ``gate = gate_up[pair, n]``, ``up = gate_up[pair,
     half_width + n]``, each delta ``t[pair, half's ranks] @ B[adapter, expert, half's row n]`` (zero for a pair the
     routing does not hold). The gate-up expand and SGLang's ``silu_and_mul`` in one pass: the gate-up rows are
     read once and never written back, and the deltas are added in float32 before the activation. Grid (the
     routing's ``lora_blocks`` blocks, then one program for each ``BLOCK_M`` pairs without a delta; column-tile
-    groups of the half width); every rank in one tile (``BLOCK_R >= max_rank``)."""
+    groups of the half width)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     first = pid_n * N_TILES * BLOCK_N
     if pid_m < lora_blocks:
@@ -578,15 +602,11 @@ def _act_kernel(
         adapter, expert, rank = _unpack(key, num_experts)
         pair_ok = pairs < num_pairs
         offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < rank
-        r_load = offs_r < _granule(rank, RANK_GRANULE)
         t_ptrs = t_ptr + pairs[:, None] * stride_tm + offs_r[None, :]
-        t_mask = pair_ok[:, None] & r_load[None, :]
-        t_gate = tl.where(r_ok[None, :], tl.load(t_ptrs, mask=t_mask, other=0.0), 0.0).to(b_ptr.dtype.element_ty)
-        t_up = tl.where(r_ok[None, :], tl.load(t_ptrs + max_rank, mask=t_mask, other=0.0), 0.0)
-        t_up = t_up.to(b_ptr.dtype.element_ty)
         b_base = (b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
                   + offs_r[:, None] * stride_br)
+        if ONE_R_TILE:  # every rank in one tile: the block's ranks read once
+            t_gate, t_up = _rank_tiles(t_ptrs, pair_ok, offs_r, rank, max_rank, RANK_GRANULE, b_ptr.dtype.element_ty)
         for j in range(N_TILES):
             offs_n = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < half_width
@@ -594,11 +614,15 @@ def _act_kernel(
             mask = pair_ok[:, None] & n_ok[None, :]
             gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(g_ptrs + half_width, mask=mask, other=0.0).to(tl.float32)
-            b_mask = r_load[:, None] & n_ok[None, :]
-            b_gate = tl.load(b_base + offs_n[None, :] * stride_bn, mask=b_mask, other=0.0)
-            b_up = tl.load(b_base + (half_width + offs_n)[None, :] * stride_bn, mask=b_mask, other=0.0)
-            gate += tl.dot(t_gate, tl.where(r_ok[:, None], b_gate, 0.0))
-            up += tl.dot(t_up, tl.where(r_ok[:, None], b_up, 0.0))
+            if ONE_R_TILE:
+                gate, up = _add_rank_tile(gate, up, t_gate, t_up, b_base, offs_n, n_ok, offs_r, rank, half_width,
+                                          stride_bn, RANK_GRANULE)
+            else:  # the block's own ranks, a tile at a time: a rank-8 block in a buffer of 64 does one
+                for r0 in range(0, rank, BLOCK_R):
+                    t_gate, t_up = _rank_tiles(t_ptrs + r0, pair_ok, offs_r, rank - r0, max_rank, RANK_GRANULE,
+                                               b_ptr.dtype.element_ty)
+                    gate, up = _add_rank_tile(gate, up, t_gate, t_up, b_base + r0 * stride_br, offs_n, n_ok, offs_r,
+                                              rank - r0, half_width, stride_bn, RANK_GRANULE)
             tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :],
                      (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
     else:
@@ -746,8 +770,8 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
     """``out = silu(gate) * up`` of ``gate_up`` (pairs, 2 * half_width: the gate half, then the up half) with the
     gate-up delta added first (each half from its own ranks of ``t``, the gate-up shrink's), for every pair: the
     gate-up expand of a gated MoE and SGLang's ``silu_and_mul`` in one kernel. ``gate_up`` is only read. ``tile``:
-    ``BLOCK_N``, ``N_TILES`` (column tiles a program), ``num_warps``, ``num_stages``
-    (:data:`~sglang_lora_tma_guard.fused_act.TILE`)."""
+    ``BLOCK_N``, ``N_TILES`` (column tiles a program), ``num_warps``, ``num_stages``, and ``BLOCK_R`` (ranks a
+    tile; by default every rank in one) (:data:`~sglang_lora_tma_guard.fused_act.TILE`)."""
     num_pairs = routing.num_pairs
     half_width = gate_up.shape[1] // 2
     assert gate_up.dim() == 2 and gate_up.shape[0] == num_pairs and gate_up.stride(1) == 1, gate_up.shape
@@ -756,7 +780,7 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
     assert t.shape == (num_pairs, 2 * max_rank), (t.shape, max_rank)
     assert 0 < max_rank <= MAX_RANK, max_rank
     topk = num_pairs // token_lora.shape[0] if token_lora.shape[0] else 1
-    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_r = tile.get("BLOCK_R") or max(16, triton.next_power_of_2(max_rank))
     groups = cdiv(cdiv(half_width, tile["BLOCK_N"]), tile["N_TILES"])
     launcher(_act_kernel)[(routing.max_blocks + cdiv(num_pairs, routing.block_m), groups)](
         t, lora_b, gate_up, out, routing.sorted_ids, routing.block_key, routing.rows_used,
@@ -765,7 +789,8 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
         t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
         gate_up.stride(0), out.stride(0),
         TOPK=topk, BLOCK_M=routing.block_m, BLOCK_N=tile["BLOCK_N"], BLOCK_R=block_r, N_TILES=tile["N_TILES"],
-        RANK_GRANULE=rank_granule(max_rank), num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        RANK_GRANULE=rank_granule(max_rank), ONE_R_TILE=block_r >= max_rank, num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
     )
 
 

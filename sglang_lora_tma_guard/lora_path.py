@@ -400,7 +400,8 @@ class PathStatus:
                 widths_by_rank.setdefault(max(rank for rank, _ in entries), []).append(str(k))
             where = ", ".join(f"up to rank {rank} at a down GEMM K of {_either(widths)}"
                               for rank, widths in sorted(widths_by_rank.items()))
-            return ("fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch; the down "
+            return ("fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch; the gate-up "
+                    f"expand in the SiLU activation from {fused_act.FROM_ROUTES} routes; the down "
                     f"expand in the down GEMM for large block-fp8 batches {where})")
         if self.virtual_experts_fixed_upstream:
             return "SGLang's own LoRA MoE hooks (its virtual-experts path is right in this release)"

@@ -759,6 +759,10 @@ def test_checks_fast_path_line_names_the_down_gemm_widths_the_fused_launch_is_pl
             ({256: ((16, 1),)}, "up to rank 16 at a down GEMM K of 256")):
         monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", table)
         assert fast.describe().endswith(f"large block-fp8 batches {where})")
+    from sglang_lora_tma_guard import fused_act
+
+    monkeypatch.setattr(fused_act, "FROM_ROUTES", 4096)
+    assert "the gate-up expand in the SiLU activation from 4096 routes;" in fast.describe()
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -768,7 +772,8 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_RUN else pytest.mark.slow) for n in CASES
                                   if CASES[n].gated])
-def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32_delta(runners, name):
+@pytest.mark.parametrize("block_r", [None, 16], ids=["ranks-in-one-tile", "rank-tiles-of-16"])
+def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32_delta(runners, name, block_r):
     """:func:`lora_moe.expand_silu_and_mul` against ``silu(gate) * up`` of the gate-up rows plus the float32
     reference delta, in float32; every pair (those without a delta too). Tolerance: the fast hook's rows through the
     same activation, plus one fp16 step (the result is rounded once to fp16 where the hook path rounds the rows with
@@ -794,7 +799,7 @@ def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32
     before = gate_up.clone()
     lora_moe.expand_silu_and_mul(out, gate_up.view(tokens * topk, -1), t, info.gate_up_lora_b_weights, routing,
                                  topk_ids=problem.topk_ids, token_lora=slots, enabled=enabled, ranks=ranks, max_rank=r,
-                                 tile=fused_act.TILE)
+                                 tile={**fused_act.TILE, "BLOCK_R": block_r})
     assert torch.equal(gate_up, before)  # read only
     error = float((out.float() - expected).abs().max() / expected.abs().max())
     hooked = silu_and_mul_reference(run_hooks_gate_up(gate_up, problem, info)).view(tokens * topk, -1)
