@@ -39,11 +39,11 @@ from .patching import Engaged, Patch
 
 MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 NAME = "silu_and_mul"
-FROM_ROUTES = 2048
-"""Where ``=fast`` takes the gate-up work into the activation: from this many routes (tokens x top-k). The one
-kernel against the expand + SGLang's ``silu_and_mul`` on Qwen3-30B-A3B tp1, an H100
-(``benchmarks/results/lora_moe/act/``): rank 16 0.045 / 0.074 ms at 2048 tokens, 0.196 / 0.293 at 8192; ranks up
-to 64 0.087 / 0.106 and 0.265 / 0.327."""
+FROM_ROUTES = 16384
+"""Where ``=fast`` takes the gate-up work into the activation: from this many routes (tokens x top-k), the smallest
+batch measured faster at every rank set. The one kernel against the expand + SGLang's ``silu_and_mul`` on
+Qwen3-30B-A3B tp1, an H100 (``benchmarks/results/lora_moe/act/``): rank 16 0.045 / 0.074 ms at 2048 tokens, 0.196 /
+0.293 at 8192; ranks up to 64 0.087 / 0.106 and 0.265 / 0.327."""
 TILE = {"BLOCK_N": 64, "N_TILES": 1, "num_warps": 4, "num_stages": 2}
 """The one kernel's tile (the fastest of ``benchmarks/act_tiles.py``'s on every batch measured but ranks up to 64
 at 8192 tokens, 11% behind the best there)."""
