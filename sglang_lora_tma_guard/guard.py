@@ -9,7 +9,8 @@ does inside the function (strategy FLAG, ``SGLANG_LORA_TMA_GUARD=plain``). The d
 WEIGHT_TMA, keeps the route-major buffers and gives both GEMMs their weights by TMA
 (:mod:`sglang_lora_tma_guard.weight_tma`): bit-identical, and faster, on 0.5.11-0.5.23.
 
-What it does not do: calls without hooks keep TMA, and nothing else about a call changes.
+What it does not do: calls without hooks keep TMA, and nothing else about a call changes. (It does read, for
+the fast path, whether a hooked call's activation is plain SiLU: :func:`sglang_lora_tma_guard.fused_act.sequence`.)
 
 Where the installed function has no positional ``down_moe_use_tma`` to set (strategy FALLBACK),
 hooked calls run on :mod:`sglang_lora_tma_guard.fallback` instead, and hook-less ones on SGLang.

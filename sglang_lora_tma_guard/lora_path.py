@@ -7,7 +7,9 @@ looked up at call time (0.5.11-0.5.23), so that module attribute is the seam: a 
 
 - ``fast`` (``SGLANG_LORA_TMA_GUARD=fast``): every batch it covers gets the virtual-experts hooks of
   :mod:`~sglang_lora_tma_guard.lora_moe` (each adapter's true rank, gate and up halves from their
-  own A and B); what it does not cover goes to SGLang's hooks, with one log line per reason.
+  own A and B); what it does not cover goes to SGLang's hooks, with one log line per reason. For large
+  batches the gate-up delta goes into the activation (:mod:`~sglang_lora_tma_guard.fused_act`) and the down
+  delta into the down GEMM (:mod:`~sglang_lora_tma_guard.fused_lora`).
 - ``correct`` (the guard's other values): only where SGLang's own virtual-experts path is wrong
   (``--lora-use-virtual-experts`` on a gated MoE, SGLang 0.5.11-0.5.22: the up half of the gate-up
   delta computed from the gate half's A) are the hooks replaced; everything else is SGLang's own.
