@@ -194,7 +194,8 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
 @contextlib.contextmanager
 def fused_down(on: bool, act: bool = True):
     """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``) and, with it unless
-    ``act`` is False, the gate-up delta in the activation (``fused_act``): placed as ``=fast`` places them, or with
+    ``act`` is False, the gate-up delta in the activation (``fused_act``): placed where ``=fast`` places the one and
+    ``fused_act.FROM_ROUTES`` the other (whether or not ``fused_act.BY_FAST`` has ``=fast`` place it), or with
     ``FUSED_DOWN=everywhere`` in the environment for every batch they cover (a tile ``=fast`` does not place, timed
     and scored against the float32 reference); ``FUSED_DOWN=everywhere-narrow``: every batch, each down GEMM one
     column tile a program (``moe_gemm``'s narrow kernel at SGLang's tile) whatever its K."""

@@ -13,8 +13,9 @@ Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 
   stream (``one stream``: ``lora_path.OVERLAP`` off, the routing and gate-up shrink in the gate-up hook,
   after the gate-up GEMM, instead of beside it), and the fast hooked call with the down expand in the
   down GEMM's epilogue where ``sglang_lora_tma_guard.fused_lora`` takes the batch and the gate-up expand in the
-  activation where ``sglang_lora_tma_guard.fused_act`` does (``fused``: what ``SGLANG_LORA_TMA_GUARD=fast``
-  serves; ``fused, gate-up hooked``: the same with the gate-up expand left in its hook);
+  activation where ``sglang_lora_tma_guard.fused_act`` does (``fused``; ``fused, gate-up hooked``: the same with
+  the gate-up expand left in its hook, what ``SGLANG_LORA_TMA_GUARD=fast`` serves while ``fused_act.BY_FAST`` is
+  off);
 - each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
   gate-up shrink and expand, the down shrink and expand;
 - the gate-up side after the gate-up GEMM: the hook's expand, SGLang's activation, and the two in one kernel;

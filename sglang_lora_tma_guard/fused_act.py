@@ -21,8 +21,9 @@ is that function of the rows, and the offer is kept whichever runs:
   launch, the next launch in the sequence, takes the offer first (:func:`finish`) and writes the activation
   again, delta included, into its input, before anything reads it.
 
-``=fast`` places it from :data:`FROM_ROUTES` routes; elsewhere the hook's expand runs. Not under
-``torch.compile``. Right: ``tests/test_fast_lora.py``; measured: ``docs/lora_moe_floor.md``.
+Placed from :data:`FROM_ROUTES` routes, where :func:`activate` is called: by ``=fast`` once :data:`BY_FAST` is on,
+by the benchmarks and tests until then; elsewhere the hook's expand runs. Not under ``torch.compile``. Right:
+``tests/test_fast_lora.py``; measured: ``docs/lora_moe_floor.md``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ from .patching import Engaged, Patch
 
 MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 NAME = "silu_and_mul"
+BY_FAST = False
+"""Does ``=fast`` place it? Not yet: its kernel is timed on a GPU and right through the interpreter, but the GPU's
+own output of a placed call has not been scored against the float32 reference (``FUSED_DOWN=everywhere bash
+benchmarks/run_lora_moe_h200.sh bench --shapes qwen3-30b-tp1 glm51-fp8-tp8 --rank-sets mixed r16``), and the whole
+hooked call not timed with it (``... kernels``: ``fused`` against ``fused, gate-up hooked``)."""
 FROM_ROUTES = 16384
 """Where ``=fast`` takes the gate-up work into the activation: from this many routes (tokens x top-k), the smallest
 batch measured faster at every rank set. The one kernel against the expand + SGLang's ``silu_and_mul`` on

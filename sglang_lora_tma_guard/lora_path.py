@@ -8,8 +8,8 @@ looked up at call time (0.5.11-0.5.23), so that module attribute is the seam: a 
 - ``fast`` (``SGLANG_LORA_TMA_GUARD=fast``): every batch it covers gets the virtual-experts hooks of
   :mod:`~sglang_lora_tma_guard.lora_moe` (each adapter's true rank, gate and up halves from their
   own A and B); what it does not cover goes to SGLang's hooks, with one log line per reason. For large
-  batches the gate-up delta goes into the activation (:mod:`~sglang_lora_tma_guard.fused_act`) and the down
-  delta into the down GEMM (:mod:`~sglang_lora_tma_guard.fused_lora`).
+  batches the down delta goes into the down GEMM (:mod:`~sglang_lora_tma_guard.fused_lora`), and, where
+  placed, the gate-up delta into the activation (:mod:`~sglang_lora_tma_guard.fused_act`).
 - ``correct`` (the guard's other values): only where SGLang's own virtual-experts path is wrong
   (``--lora-use-virtual-experts`` on a gated MoE, SGLang 0.5.11-0.5.22: the up half of the gate-up
   delta computed from the gate half's A) are the hooks replaced; everything else is SGLang's own.
@@ -355,7 +355,8 @@ def activate(mode: Mode) -> None:
     PATCH.activate()
     if _state.mode is Mode.FAST:
         fused_lora.activate()  # the down delta in the down GEMM, for the batches it is measured faster on
-        fused_act.activate()  # the gate-up delta in the activation, likewise
+        if fused_act.BY_FAST:
+            fused_act.activate()  # the gate-up delta in the activation, likewise
     else:
         fused_lora.deactivate()
         fused_act.deactivate()
@@ -402,9 +403,10 @@ class PathStatus:
                 widths_by_rank.setdefault(max(rank for rank, _ in entries), []).append(str(k))
             where = ", ".join(f"up to rank {rank} at a down GEMM K of {_either(widths)}"
                               for rank, widths in sorted(widths_by_rank.items()))
-            return ("fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch; the gate-up "
-                    f"expand in the SiLU activation from {fused_act.FROM_ROUTES} routes; the down "
-                    f"expand in the down GEMM for large block-fp8 batches {where})")
+            act = (f"the gate-up expand in the SiLU activation from {fused_act.FROM_ROUTES} routes; "
+                   if fused_act.BY_FAST else "")
+            return ("fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch; "
+                    f"{act}the down expand in the down GEMM for large block-fp8 batches {where})")
         if self.virtual_experts_fixed_upstream:
             return "SGLang's own LoRA MoE hooks (its virtual-experts path is right in this release)"
         return "SGLang's own LoRA MoE hooks; --lora-use-virtual-experts on gated MoE corrected"

@@ -762,6 +762,8 @@ def test_checks_fast_path_line_names_the_down_gemm_widths_the_fused_launch_is_pl
     from sglang_lora_tma_guard import fused_act
 
     monkeypatch.setattr(fused_act, "FROM_ROUTES", 4096)
+    assert "activation" not in fast.describe() and not fused_act.BY_FAST  # not placed by =fast yet
+    monkeypatch.setattr(fused_act, "BY_FAST", True)
     assert "the gate-up expand in the SiLU activation from 4096 routes;" in fast.describe()
 
 
@@ -932,3 +934,16 @@ def test_an_activation_called_on_other_rows_than_offered_adds_the_delta_first():
     seen.clear()
     wrapper("rows", "out")
     assert seen == ["kernel"] and not fused_act.pending()
+
+
+@pytest.mark.parametrize("by_fast", [False, True])
+def test_fast_places_the_gate_up_delta_in_the_activation_only_once_it_is_switched_on(runners, monkeypatch, by_fast):
+    from sglang_lora_tma_guard import fused_act
+
+    monkeypatch.setattr(fused_act, "BY_FAST", by_fast)
+    lora_path.activate(lora_path.Mode.FAST)
+    try:
+        assert fused_act.PATCH.status().wanted == by_fast and fused_act._placed == by_fast
+    finally:
+        lora_path.deactivate()
+    assert not fused_act.PATCH.status().wanted and not fused_act._placed
