@@ -947,3 +947,24 @@ def test_fast_places_the_gate_up_delta_in_the_activation_only_once_it_is_switche
     finally:
         lora_path.deactivate()
     assert not fused_act.PATCH.status().wanted and not fused_act._placed
+
+
+def test_a_gate_up_offer_left_at_the_end_of_the_sequence_or_unfit_for_the_down_input_turns_it_off_loudly(caplog):
+    """Neither happens in SGLang 0.5.11-0.5.23 (the down launch follows every activation, its input the activation's
+    output): if either did, the delta of that call would be missing, so the error is logged and no later batch is
+    offered (the hook adds its delta itself)."""
+    from sglang_lora_tma_guard import fused_act
+
+    work = SimpleNamespace(routing=SimpleNamespace(num_pairs=4), rows=torch.zeros(2, 2, 8),
+                           activation=lambda out: pytest.fail("finished into an input of another shape"))
+    for leave in ("at the sequence's end", "to a down input of another shape"):
+        fused_act._placed = True
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sglang_lora_tma_guard"):
+            with fused_act.sequence(True):
+                fused_act.offer(work)
+                if leave != "at the sequence's end":
+                    fused_act.finish(torch.zeros(4, 3))  # the activation of 8-wide rows is 4 wide
+        assert not fused_act._placed and not fused_act.pending(), leave
+        assert any(r.levelno == logging.ERROR for r in caplog.records), leave
+    assert not fused_act.ready(1 << 20)
