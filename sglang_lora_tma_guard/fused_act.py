@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .log import logger
+from .log import info_once, logger
 from .patching import Engaged, Patch
 
 MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
@@ -184,20 +184,11 @@ def finish(a) -> None:
     if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] >= work.routing.num_pairs \
             and a.shape[1] * 2 == work.rows.shape[2] and a.stride(1) == 1 and a.dtype == work.rows.dtype:
         work.activation(a)
-        _say_once("the gate-up LoRA delta of fast batches is added in the activation (at the down launch)")
+        info_once("the gate-up LoRA delta of fast batches is added in the activation (at the down launch)")
         return
     logger.error("the down launch after a gate-up offer has an input of another shape (%s); the fast hooks add "
                  "the gate-up delta themselves from now on", tuple(getattr(a, "shape", ())))
     _disable("a down input of another shape")
-
-
-_said: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    if message not in _said:
-        _said.add(message)
-        logger.info("%s (logged once)", message)
 
 
 def _disable(why: str) -> None:
@@ -217,7 +208,7 @@ def _make(original, engaged: Engaged):
             return original(*args, **kwargs)
         if engaged.on and len(args) == 2 and not kwargs and work.fits(*args):
             work.activation(args[1])
-            _say_once("the gate-up LoRA delta of fast batches is added in the activation")
+            info_once("the gate-up LoRA delta of fast batches is added in the activation")
             return None
         work.add_in_place()  # another call than the one offered for: the hook's own work, then SGLang's
         return original(*args, **kwargs)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import fused_act
-from .log import logger
+from .log import info_once, logger
 from .patching import Engaged, Patch
 
 MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
@@ -272,15 +272,6 @@ def ready(routes: int, max_rank: int, k: int) -> bool:
     return not torch.compiler.is_compiling() and PATCH.status().working  # Dynamo never reads the lock
 
 
-_said: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    if message not in _said:
-        _said.add(message)
-        logger.info("%s (logged once)", message)
-
-
 def _make(original, engaged: Engaged):
     if not callable(original):
         logger.info("%s.%s not found; the LoRA down expand stays a hook", MODULE, NAME)
@@ -315,7 +306,7 @@ def _make(original, engaged: Engaged):
         if reason is None:
             try:
                 work.run(bound.arguments)
-                _say_once("the down LoRA delta of fast batches is added in the down GEMM's epilogue")
+                info_once("the down LoRA delta of fast batches is added in the down GEMM's epilogue")
                 return None
             except Exception as error:  # nothing of C is served from a failed launch: SGLang's GEMM overwrites it
                 # Once a shape: refusal() turns its later launches away before any of their work.
@@ -325,7 +316,7 @@ def _make(original, engaged: Engaged):
                                  "for this down GEMM's shape from now on")
                 work.done = None
                 reason = "the fused launch failed"
-        _say_once(f"a LoRA down GEMM runs unfused (the hook adds its delta): {reason}")
+        info_once(f"a LoRA down GEMM runs unfused (the hook adds its delta): {reason}")
         return original(*args, **kwargs)
 
     return invoke_fused_moe_kernel

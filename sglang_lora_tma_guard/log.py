@@ -13,3 +13,13 @@ class _Prefixed(logging.LoggerAdapter):
 
 
 logger = _Prefixed(logging.getLogger("sglang_lora_tma_guard"), {})
+
+said: set[str] = set()
+"""What :func:`info_once` has said in this process."""
+
+
+def info_once(message: str) -> None:
+    """``message`` at INFO level, the first time only (a per-batch decision logged once a process)."""
+    if message not in said:
+        said.add(message)
+        logger.info("%s (logged once)", message)

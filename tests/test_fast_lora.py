@@ -23,7 +23,7 @@ import torch
 
 from harness import real_lora, tiny_moe
 from harness.reference import ReferenceLoRAHooks, interpreter_fp8, reference_moe
-from sglang_lora_tma_guard import fused_act, lora_moe, lora_path, tuning
+from sglang_lora_tma_guard import fused_act, log, lora_moe, lora_path, tuning
 
 pytestmark = pytest.mark.real
 
@@ -513,7 +513,7 @@ def test_a_fused_launch_that_fails_is_served_unfused_and_not_tried_again_for_its
     reference = expected_moe(problem, ReferenceLoRAHooks(info))
     sglang_plugins("fast")
     fused_lora.activate(everywhere=True)
-    fused_lora._said.clear()
+    log.said.clear()
     with caplog.at_level(logging.INFO, logger="sglang_lora_tma_guard"):
         for _ in range(3):
             out = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
