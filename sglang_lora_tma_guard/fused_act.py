@@ -46,13 +46,13 @@ own output of a placed call has not been scored against the float32 reference (`
 benchmarks/run_lora_moe_h200.sh bench --shapes qwen3-30b-tp1 glm51-fp8-tp8 --rank-sets mixed r16``), and the whole
 hooked call not timed with it (``... kernels``: ``fused`` against ``fused, gate-up hooked``)."""
 FROM_ROUTES = 16384
-"""Where ``=fast`` takes the gate-up work into the activation: from this many routes (tokens x top-k), the smallest
+"""Where the gate-up work goes into the activation once placed: from this many routes (tokens x top-k), the smallest
 batch measured faster at every rank set. The one kernel against the expand + SGLang's ``silu_and_mul`` on
 Qwen3-30B-A3B tp1, an H100 (``benchmarks/results/lora_moe/act/``): rank 16 0.045 / 0.074 ms at 2048 tokens, 0.196 /
 0.293 at 8192; ranks up to 64 0.087 / 0.106 and 0.265 / 0.327."""
 TILE = {"BLOCK_N": 64, "N_TILES": 1, "num_warps": 4, "num_stages": 2}
 """The one kernel's tile (the fastest of ``benchmarks/act_tiles.py``'s on every batch measured but ranks up to 64
-at 8192 tokens, 11% behind the best there)."""
+at 8192 tokens, 12% behind the best there, 8 column tiles of 32)."""
 
 if TYPE_CHECKING:
     import torch
