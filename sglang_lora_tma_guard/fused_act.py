@@ -183,7 +183,17 @@ def finish(a) -> None:
 
     if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] >= work.routing.num_pairs \
             and a.shape[1] * 2 == work.rows.shape[2] and a.stride(1) == 1 and a.dtype == work.rows.dtype:
-        work.activation(a)
+        try:
+            work.activation(a)
+        except Exception:  # the activation again, by the hook's own path: the delta into the rows, then SiLU
+            logger.exception("the gate-up LoRA kernel failed at the down launch; the fast hooks add the delta "
+                             "themselves from now on")
+            _disable("its kernel failed")
+            work.add_in_place()
+            pairs, half = work.routing.num_pairs, a.shape[1]
+            rows = work.rows.view(pairs, 2 * half)
+            a[:pairs] = torch.nn.functional.silu(rows[:, :half].float()).mul_(rows[:, half:].float()).to(a.dtype)
+            return
         info_once("the gate-up LoRA delta of fast batches is added in the activation (at the down launch)")
         return
     logger.error("the down launch after a gate-up offer has an input of another shape (%s); the fast hooks add "
@@ -207,9 +217,13 @@ def _make(original, engaged: Engaged):
         if work is None:
             return original(*args, **kwargs)
         if engaged.on and len(args) == 2 and not kwargs and work.fits(*args):
-            work.activation(args[1])
-            info_once("the gate-up LoRA delta of fast batches is added in the activation")
-            return None
+            try:
+                work.activation(args[1])
+                info_once("the gate-up LoRA delta of fast batches is added in the activation")
+                return None
+            except Exception:  # nothing of the output is served from it: SGLang's activation overwrites it below
+                logger.exception("the gate-up LoRA kernel failed; the fast hooks add the delta themselves from now on")
+                _disable("its kernel failed")
         work.add_in_place()  # another call than the one offered for: the hook's own work, then SGLang's
         return original(*args, **kwargs)
 

@@ -779,7 +779,9 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
     assert lora_b.shape[2] == 2 * half_width and lora_b.shape[3] == max_rank, (lora_b.shape, gate_up.shape)
     assert t.shape == (num_pairs, 2 * max_rank), (t.shape, max_rank)
     assert 0 < max_rank <= MAX_RANK, max_rank
-    topk = num_pairs // token_lora.shape[0] if token_lora.shape[0] else 1
+    if num_pairs == 0:
+        return
+    topk = num_pairs // token_lora.shape[0]
     block_r = tile.get("BLOCK_R") or max(16, triton.next_power_of_2(max_rank))
     groups = cdiv(cdiv(half_width, tile["BLOCK_N"]), tile["N_TILES"])
     launcher(_act_kernel)[(routing.max_blocks + cdiv(num_pairs, routing.block_m), groups)](

@@ -176,11 +176,11 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
                 or not fits(hidden, cache1, tokens, hidden_states.shape[1])):
             _say_once("a gate-up call whose buffers differ from its batch's")
             return sglang_hooks().after_gate_up(hidden, cache1, topk_weights, topk_ids_now)
-        if halves == 2 and len(held) == 4 and fused_act.ready(tokens * topk):  # the activation adds the delta
+        if halves == 2 and len(held) == 4 and cache1.is_contiguous() and fused_act.ready(tokens * topk):
             t = t_gate_up if t_gate_up is not None and hidden is hidden_states else lora_moe.shrink(
                 hidden, lora_info.gate_up_lora_a_weights, routing, topk=topk, max_rank=r, halves=2, config=tiles.gate_up)
             fused_act.offer(fused_act.ActWork(cache1, t, lora_info.gate_up_lora_b_weights, routing, *held, r,
-                                              tiles.gate_up))
+                                              tiles.gate_up))  # the activation that follows adds the delta
         elif t_gate_up is not None and hidden is hidden_states:
             lora_moe.expand(cache1, t_gate_up, lora_info.gate_up_lora_b_weights, routing, max_rank=r, halves=halves,
                             topk_weights=None, config=tiles.gate_up)

@@ -886,6 +886,41 @@ def test_the_gate_up_delta_is_added_by_the_activation_in_sglangs_runner(sglang_p
     assert not kernels and tiny_moe.rel_err(unguarded, reference) < 1e-2
 
 
+@pytest.mark.parametrize("activation", ["silu_and_mul", "portable"])
+def test_a_gate_up_kernel_that_fails_is_served_the_hooks_way_and_turned_off(sglang_plugins, runners, monkeypatch,
+                                                                            caplog, activation):
+    """The one kernel raising (out of a GPU's resources, say) where SGLang's ``silu_and_mul`` would take the offer,
+    or at the down launch: the call is still right (the delta into the rows as the hook adds it, then SGLang's
+    activation or its PyTorch form), the error is logged and no later batch is offered."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
+
+    from sglang_lora_tma_guard import fused_act
+
+    problem, info = make_case("mixed-ranks-top2", seed=1)
+    reference = expected_moe(problem, ReferenceLoRAHooks(info))
+    sglang_plugins("fast")
+    calls = []
+    if activation == "silu_and_mul":
+        monkeypatch.setattr(fused_moe, "_is_cuda", True)
+        monkeypatch.setattr(fused_moe, "silu_and_mul", torch_silu_and_mul(calls), raising=False)
+
+    def out_of_resources(*args, **kwargs):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(lora_moe, "expand_silu_and_mul", out_of_resources)
+    monkeypatch.setattr(fused_act, "FROM_ROUTES", 0)
+    try:
+        fused_act.activate()
+        with caplog.at_level(logging.ERROR, logger="sglang_lora_tma_guard"):
+            out = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+        assert not fused_act._placed
+    finally:
+        fused_act.deactivate()
+    assert tiny_moe.rel_err(out, reference) < 1e-2
+    assert any("gate-up LoRA kernel failed" in r.getMessage() for r in caplog.records)
+    assert len(calls) == (activation == "silu_and_mul")  # SGLang's own activation, after the delta
+
+
 def test_only_a_plain_silu_call_has_its_gate_up_work_offered_to_the_activation(runners):
     """The guard's reader of SGLang's own sequence signature: silu, gated, no alpha, limit, clamp or SwiGLU fused
     into the GEMM; any of them, or another activation, and the hook adds the delta itself."""
