@@ -147,6 +147,10 @@ class ActWork:
                         topk_weights=None, config=self.expand_tiles)
 
 
+def placed() -> bool:
+    return _placed
+
+
 def ready(routes: int) -> bool:
     """Would the gate-up work of a batch of ``routes`` routes be offered to the activation now? (Placed, inside
     a sequence whose activation is plain SiLU, the down launch's seam working, not compiling.)"""

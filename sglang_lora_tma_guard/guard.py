@@ -133,7 +133,7 @@ def make_guarded(original, inspection: Inspection, variant=None, engaged: Engage
                 kwargs["down_moe_use_tma"] = False
         run = variant if variant is not None and requested and kwargs.get("use_fp8_w8a8") and kwargs.get(
             "block_shape") else original
-        if plain_silu is None or torch_compiling():
+        if plain_silu is None or not fused_act.placed() or torch_compiling():
             return run(*args, **kwargs)
         with fused_act.sequence(plain_silu(args, kwargs)):  # what its activation is, for the fast hooks
             return run(*args, **kwargs)
