@@ -146,12 +146,13 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
     token_lora = token_adapters(lora_info, tokens)
     early = OVERLAP and not torch.compiler.is_compiling()
     side = side_stream(hidden_states.device) if early else None
+    def gate_up_ranks(x):  # the gate-up shrink of hidden states x
+        return lora_moe.shrink(x, lora_info.gate_up_lora_a_weights, routing, topk=topk, max_rank=r, halves=halves,
+                               config=tiles.gate_up)
+
     with beside(side):  # before the gate-up GEMM, which needs neither
         routing = lora_moe.route(topk_ids, token_lora, enabled, ranks, experts, tiles.block_m)
-        t_gate_up = None
-        if early and not tiles.gate_up.one_kernel:
-            t_gate_up = lora_moe.shrink(hidden_states, lora_info.gate_up_lora_a_weights, routing, topk=topk,
-                                        max_rank=r, halves=halves, config=tiles.gate_up)
+        t_gate_up = gate_up_ranks(hidden_states) if early and not tiles.gate_up.one_kernel else None
     join = Join(side, topk_ids, token_lora, enabled, ranks)  # what the second stream reads lives until the join
     shape = tuple(topk_ids.shape)
     theirs = []
@@ -177,8 +178,7 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
             _say_once("a gate-up call whose buffers differ from its batch's")
             return sglang_hooks().after_gate_up(hidden, cache1, topk_weights, topk_ids_now)
         if halves == 2 and len(held) == 4 and cache1.is_contiguous() and fused_act.ready(tokens * topk):
-            t = t_gate_up if t_gate_up is not None and hidden is hidden_states else lora_moe.shrink(
-                hidden, lora_info.gate_up_lora_a_weights, routing, topk=topk, max_rank=r, halves=2, config=tiles.gate_up)
+            t = t_gate_up if t_gate_up is not None and hidden is hidden_states else gate_up_ranks(hidden)
             fused_act.offer(fused_act.ActWork(cache1, t, lora_info.gate_up_lora_b_weights, routing, *held, r,
                                               tiles.gate_up))  # the activation that follows adds the delta
         elif t_gate_up is not None and hidden is hidden_states:
