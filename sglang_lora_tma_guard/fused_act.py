@@ -127,8 +127,14 @@ class ActWork:
         place?"""
         pairs, width = self.routing.num_pairs, self.rows.shape[2]
         return (rows.dim() == 2 and tuple(rows.shape) == (pairs, width) and rows.data_ptr() == self.rows.data_ptr()
-                and rows.stride(1) == 1 and out.dim() == 2 and out.shape[0] >= pairs and out.shape[1] * 2 == width
-                and out.stride(1) == 1 and out.dtype == rows.dtype)
+                and rows.stride(1) == 1 and self.holds_activation(out))
+
+    def holds_activation(self, out) -> bool:
+        """Can ``out`` take the rows' activation: a row each (at least), half their width, their dtype?"""
+        import torch
+
+        return (isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] >= self.routing.num_pairs
+                and out.shape[1] * 2 == self.rows.shape[2] and out.stride(1) == 1 and out.dtype == self.rows.dtype)
 
     def activation(self, out: torch.Tensor) -> None:
         """``out[:pairs] = silu(gate) * up`` of the rows with the delta added (the one kernel)."""
@@ -183,16 +189,15 @@ def finish(a) -> None:
     work = _take()
     if work is None:
         return
-    import torch
-
-    if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] >= work.routing.num_pairs \
-            and a.shape[1] * 2 == work.rows.shape[2] and a.stride(1) == 1 and a.dtype == work.rows.dtype:
+    if work.holds_activation(a):
         try:
             work.activation(a)
         except Exception:  # the activation again, by the hook's own path: the delta into the rows, then SiLU
             logger.exception("the gate-up LoRA kernel failed at the down launch; the fast hooks add the delta "
                              "themselves from now on")
             _disable("its kernel failed")
+            import torch
+
             work.add_in_place()
             pairs, half = work.routing.num_pairs, a.shape[1]
             rows = work.rows.view(pairs, 2 * half)

@@ -990,8 +990,9 @@ def test_a_gate_up_offer_left_at_the_end_of_the_sequence_or_unfit_for_the_down_i
     offered (the hook adds its delta itself)."""
     from sglang_lora_tma_guard import fused_act
 
-    work = SimpleNamespace(routing=SimpleNamespace(num_pairs=4), rows=torch.zeros(2, 2, 8),
-                           activation=lambda out: pytest.fail("finished into an input of another shape"))
+    work = fused_act.ActWork(torch.zeros(2, 2, 8), None, None, SimpleNamespace(num_pairs=4), None, None, None, None,
+                             16, None)
+    work.activation = lambda out: pytest.fail("finished into an input of another shape")
     for leave in ("at the sequence's end", "to a down input of another shape"):
         fused_act._placed = True
         caplog.clear()
