@@ -3,7 +3,7 @@
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
 # default LoRA MoE path with those tiles; or each kernel of the fast path against its floor (kernels).
 # Results under ${OUT:-results}/.
-#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|tune-ab|race|launch|down] [extra arguments for the Python scripts]
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|act|place-act|tune-ab|race|launch|down] [extra arguments for the Python scripts]
 # down: benchmarks/down_gemm.py (the down GEMM alone: SGLang's, this package's over tile variants, the down
 # LoRA as a hook or in the GEMM's epilogue), then what its table says of the fused launch's thresholds
 # (benchmarks/fused_policy.py, into $OUT/fused_policy.md).
@@ -11,6 +11,9 @@
 # launch: benchmarks/launch_check.py (direct launches bit for bit Triton's own), then the hooks' host time a
 # layer (benchmarks/hook_host_time.py --cuda) into $OUT/host-cuda.txt.
 # FUSED_DOWN=everywhere: the bench and kernels tables' fused column takes every batch the fused launch covers.
+# place-act: the gate-up work in the activation (fused_act) placed at every batch (FUSED_DOWN=everywhere): the
+# whole call's errors against the float32 reference (lora_moe_h200, into $OUT/bench), then its time with and without
+# it (lora_moe_kernels' fused and fused, gate-up hooked columns, into $OUT/kernels).
 # tune-ab: tune, then the kernel table with the tuned tiles and with the shipped ones, alternated twice
 # (under $OUT/tuned1, shipped1, tuned2, shipped2): what the new tiles buy, on one machine. Its arguments
 # go to both scripts (--shapes, --tokens).
@@ -42,6 +45,12 @@ if [ "$what" = kernels ]; then
 fi
 if [ "$what" = act ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.act_tiles --out "$OUT" "$@"
+fi
+if [ "$what" = place-act ]; then
+  FUSED_DOWN=everywhere timeout "${BENCH_S:-150}" python3 -m benchmarks.lora_moe_h200 --out "$OUT/bench" "$@" \
+    || echo "bench stopped (exit $?)"
+  FUSED_DOWN=everywhere timeout "${KERNELS_S:-330}" python3 -m benchmarks.lora_moe_kernels --out "$OUT/kernels" "$@" \
+    || echo "kernels stopped (exit $?)"
 fi
 if [ "$what" = race ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.overlap_race --out "$OUT" "$@"
