@@ -1,17 +1,19 @@
 """Tiles of ``lora_moe.expand_silu_and_mul`` (the gate-up expand and the activation in one kernel) against the fast
 hook's gate-up expand followed by SGLang's ``silu_and_mul``, on a GPU.
 
-    python -m benchmarks.act_tiles [--shapes qwen3-30b-tp1] [--tokens 256 2048 8192] [--rank-sets r16 mixed]
+    python -m benchmarks.act_tiles [--shapes qwen3-30b-tp1] [--tokens 256 2048 8192] [--rank-sets r16 mixed] [--shipped]
 
 Per batch (``benchmarks/_lora_setup.py``'s: SGLang's ``LoRAInfo``, four adapters and the base model), CUDA-graph
 replays, best of 5 x 50, interleaved: ``both`` (the expand at the shipped tile, then SGLang's activation), and the
-one kernel at its shipped tile (``fused_act.TILE``) and at each tile of :data:`TILES` (BLOCK_N, column tiles a program, warps,
-stages, ranks a tile), each also scored against the float32 activation of the rows with the delta (before any timing).
+one kernel at its shipped tile (``fused_act.TILE``) and at each tile of :data:`TILES` (BLOCK_N, column tiles a
+program, warps, stages, ranks a tile; ``--shipped``: the shipped tile only), each also scored against the float32
+activation of the rows with the delta (before any timing).
 Writes ``act_tiles.json`` / ``.md``.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -31,7 +33,7 @@ def label(tile) -> str:
     return "N{}x{} w{} s{}".format(*tile[:4]) + (f" R{tile[4]}" if tile[4] else "")
 
 
-def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
+def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES) -> dict:
     from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
 
     batch = lora_batch(shape, ranks_name, tokens, weights)
@@ -56,7 +58,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
                                                     enabled=enabled, ranks=ranks, max_rank=r, tile=tile)
 
     variants = {"both": both, "shipped": one(fused_act.TILE)}
-    for tile in TILES:
+    for tile in tiles:
         bn, n, w, s, block_r = tile
         variants[label(tile)] = one({"BLOCK_N": bn, "N_TILES": n, "num_warps": w, "num_stages": s, "BLOCK_R": block_r})
     # Right on this GPU: each variant's output from fixed rows against the float32 activation of the rows plus the
@@ -111,7 +113,9 @@ def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, [256, 2048, 8192])
     add_base_option(parser)
     parser.add_argument("--rank-sets", nargs="+", default=["r16", "mixed"])
-    return run_batches(parser.parse_args(argv), "act_tiles", measure, markdown)
+    parser.add_argument("--shipped", action="store_true", help="the shipped tile only (fused_act.TILE)")
+    args = parser.parse_args(argv)
+    return run_batches(args, "act_tiles", functools.partial(measure, tiles=() if args.shipped else TILES), markdown)
 
 
 if __name__ == "__main__":
