@@ -7,7 +7,8 @@ through the compiled kernel's launcher, under a key of its own. Per batch, the w
 SGLang's runner (weight TMA, the guard on, the fast hooks): every launch through Triton's path (``DIRECT``
 off) is the reference; then, after one call that fills the keys, the same call with direct launches, eager
 and captured in a CUDA graph and replayed, compared bit for bit (the same kernels on the same inputs: bit
-identity is what is promised). ``direct launches`` counts the launches of the eager call that went the
+identity is what is promised), both for the fast hooks and with the fused down GEMM and the gate-up delta in the
+activation (``fused``). ``direct launches`` counts the launches of the eager call that went the
 direct way (none would mean the check compared Triton's path with itself). Writes ``launch_check.json`` /
 ``.md``.
 """
@@ -15,13 +16,14 @@ direct way (none would mean the check compared Triton's path with itself). Write
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture
-from benchmarks._lora_setup import add_base_option, direct_launches, fast_call, lora_batch, run_batches
+from benchmarks._lora_setup import add_base_option, direct_launches, fast_call, fused_down, lora_batch, run_batches
 from harness import tables
 from sglang_lora_tma_guard import launching
 
@@ -58,38 +60,65 @@ def counted_direct_launches():
 
 
 def _launchers():
-    from sglang_lora_tma_guard import lora_moe
+    from sglang_lora_tma_guard import lora_moe, moe_gemm
 
-    return [launching.launcher(getattr(lora_moe, name)) for name in dir(lora_moe) if name.endswith("_kernel")]
+    return [launching.launcher(getattr(module, name)) for module in (lora_moe, moe_gemm) for name in dir(module)
+            if name.endswith("_kernel")]
 
 
-def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
+@contextlib.contextmanager
+def _path(name: str):
+    """``fast``: the fast hooks; ``fused``: with the fused down GEMM and the gate-up delta in the activation, at
+    every batch they cover (``FUSED_DOWN=everywhere``)."""
+    if name == "fast":
+        yield
+        return
+    saved = os.environ.get("FUSED_DOWN")
+    os.environ["FUSED_DOWN"] = "everywhere"
+    try:
+        with fused_down(True):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("FUSED_DOWN")
+        else:
+            os.environ["FUSED_DOWN"] = saved
+
+
+def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> list:
     call = fast_call(lora_batch(shape, ranks_name, tokens, weights))
     guard.activate(weight_tma=True)
-    with direct_launches(False):
-        reference = call().clone()
-    with direct_launches(True):
-        call()  # each variant once through Triton's path: its key kept
-        with counted_direct_launches() as counter:
-            eager = call().clone()
-        launches = counter[0]
-        with capture_mode():
-            graph, graphed = capture(call)
-        graphed.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-    return {"shape": name, "ranks": ranks_name, "tokens": tokens, "direct_launches": launches,
-            "eager_equal": torch.equal(eager, reference), "graph_equal": torch.equal(graphed, reference)}
+    rows = []
+    for path in ("fast", "fused"):
+        with _path(path):
+            with direct_launches(False):
+                reference = call().clone()
+            with direct_launches(True):
+                call()  # each variant once through Triton's path: its key kept
+                with counted_direct_launches() as counter:
+                    eager = call().clone()
+                launches = counter[0]
+                with capture_mode():
+                    graph, graphed = capture(call)
+                graphed.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+        rows.append({"path": path, "direct_launches": launches, "eager_equal": torch.equal(eager, reference),
+                     "graph_equal": torch.equal(graphed, reference)})
+    return {"shape": name, "ranks": ranks_name, "tokens": tokens, "paths": rows}
 
 
 def markdown(rows, meta) -> str:
     return "\n".join([
         f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. The fast hooked call "
         "with direct launches against the same call through Triton's own launch path, bit for bit.", "",
-        tables.markdown(["shape", "ranks", "tokens", "direct launches", "eager", "CUDA graph"],
-                        ([r["shape"], r["ranks"], r["tokens"], r["direct_launches"],
-                          "equal" if r["eager_equal"] else "**DIFFERS**",
-                          "equal" if r["graph_equal"] else "**DIFFERS**"] for r in rows)),
+        tables.markdown(["shape", "ranks", "tokens", "path", "direct launches", "eager", "CUDA graph"],
+                        ([r["shape"], r["ranks"], r["tokens"], p["path"], p["direct_launches"],
+                          "equal" if p["eager_equal"] else "**DIFFERS**",
+                          "equal" if p["graph_equal"] else "**DIFFERS**"] for r in rows for p in r["paths"])),
+        "",
+        "path: fast, the fast hooks; fused, with the fused down GEMM and the gate-up delta in the activation at every "
+        "batch they cover (FUSED_DOWN=everywhere).",
     ]) + "\n"
 
 

@@ -10,7 +10,8 @@ under a key of its own, and launches later calls of that key through the compile
 
 The key holds everything Triton specializes a variant on, or more: for each positional argument, a tensor's
 dtype and whether its address is a multiple of 16 bytes, an integer's being 1, a multiple of 16, and in the
-32-bit or unsigned 64-bit range; the keyword arguments (constexprs, ``num_warps``, ``num_stages``) as given;
+32-bit or unsigned 64-bit range, a None, a tensor descriptor's base (as a tensor's) and all its other fields
+(shape, strides, block shape, padding); the keyword arguments (constexprs, ``num_warps``, ``num_stages``) as given;
 the current device (tests/test_launching.py holds it against the installed Triton's own specializer). A key
 that is finer than Triton's only costs one more trip through Triton's path. An argument of any other kind, a
 constexpr given by position, a kernel that is not a ``JITFunction`` (Triton's interpreter), ``DIRECT`` off,
@@ -19,6 +20,7 @@ or a compiled launcher that refuses the arguments: Triton's own path, every time
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -40,7 +42,18 @@ def argument_key(value):
         return value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value >= 2**63
     if isinstance(value, float):
         return "float"
+    if value is None:
+        return None
+    if type(value).__name__ == "TensorDescriptor" and dataclasses.is_dataclass(value):
+        base = value.base  # Triton's own TensorDescriptor: its base tensor, then every other field as given
+        return ("descriptor", base.dtype, base.data_ptr() % 16 == 0,
+                *(_plain(getattr(value, field.name)) for field in dataclasses.fields(value) if field.name != "base"))
     raise TypeError(f"an argument of type {type(value).__name__}")
+
+
+def _plain(value):
+    """A descriptor's field as a key: its lists as tuples."""
+    return tuple(map(_plain, value)) if isinstance(value, (list, tuple)) else value
 
 
 _Tensor = torch.Tensor

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launching import launcher
+
 FP8_MAX = 448.0
 QUANT_EPS = 1e-10
 QUANTIZE_ROWS = 16
@@ -528,7 +530,7 @@ def order_by_adapter(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pos
     the blocks, their experts and the blocks used stay as they are. Only the used blocks are written."""
     out = torch.empty_like(sorted_ids)
     num_routes = token_lora.numel() * topk
-    _order_by_adapter_kernel[(cdiv(sorted_ids.numel(), block_m),)](
+    launcher(_order_by_adapter_kernel)[(cdiv(sorted_ids.numel(), block_m),)](
         sorted_ids, expert_ids, num_post_padded, token_lora, out, num_routes, num_slots, TOPK=topk, BLOCK_M=block_m,
         KEYS=triton.next_power_of_2(num_slots + 1))
     return out
@@ -631,7 +633,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         assert k_tiles <= WIDE_K_TILES, f"K={k} is {k_tiles} tiles of {block_k}, the wide GEMM unrolls {WIDE_K_TILES}"
         wide = {name: value for name, value in tile.items() if name != "GROUP_M"}  # with K_LOOP where it is set
         grid = (cdiv(sorted_ids.shape[0], block_m), cdiv(cdiv(n, tile["BLOCK_N"]), n_tiles))
-        _moe_gemm_wide_kernel[grid](
+        launcher(_moe_gemm_wide_kernel)[grid](
             a, a_scale if fp8 else a, w, out, w_scale if fp8 else w, topk_weights, sorted_ids, expert_ids,
             num_post_padded, b_desc, *lora_args,
             n, k, out.shape[0], sorted_ids.shape[0], lora_sizes[0], lora_sizes[1], lora_sizes[3],
@@ -646,7 +648,7 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         )
         return
     grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, tile["BLOCK_N"]),)
-    _moe_gemm_kernel[grid](
+    launcher(_moe_gemm_kernel)[grid](
         a, a_scale if fp8 else a, w, out, bias if bias is not None else w, w_scale if fp8 else w,
         topk_weights, sorted_ids, expert_ids, num_post_padded, b_desc, *lora_args,
         n, k, out.shape[0], sorted_ids.shape[0], *lora_sizes,
@@ -679,6 +681,6 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, cdiv(k, group)), dtype=torch.float32, device=x.device)
-    _quantize_kernel[(cdiv(rows, QUANTIZE_ROWS), scale.shape[1])](x, q, scale, rows, k, x.stride(0), q.stride(0),
+    launcher(_quantize_kernel)[(cdiv(rows, QUANTIZE_ROWS), scale.shape[1])](x, q, scale, rows, k, x.stride(0), q.stride(0),
                                                                   scale.stride(0), GROUP=group, ROWS=QUANTIZE_ROWS)
     return q, scale

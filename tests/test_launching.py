@@ -111,8 +111,27 @@ def test_triton_s_path_every_time_when_direct_launches_are_off_or_the_key_cannot
         launcher[(1,)](x, 32, BLOCK=16)
     monkeypatch.setattr(launching, "DIRECT", True)
     for _ in range(2):
-        launcher[(1,)](x, None, BLOCK=16)  # an argument of a kind the key does not cover
+        launcher[(1,)](x, "32", BLOCK=16)  # an argument of a kind the key does not cover
     assert len(fn.runs) == 4 and not fn.compiled.launched
+
+
+def _descriptor(t, block=(16, 32)):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+
+def test_none_and_tensor_descriptors_launch_directly_and_each_descriptor_kind_is_a_variant_of_its_own(fn):
+    # The fused down GEMM's weights argument: None without weight TMA, Triton's TensorDescriptor with it.
+    launcher = launching.Launcher(fn)
+    w = torch.zeros(4, 64, 128, dtype=torch.bfloat16)
+    calls = [None, None, _descriptor(w[0]), _descriptor(w[1]), _descriptor(w[1], (32, 32)),
+             _descriptor(w[0].float())]
+    for desc in calls:
+        launcher[(1,)](desc, 32, BLOCK=16)
+    # Triton's path for the first None, the first descriptor and each other block shape or dtype; the rest direct.
+    assert [args[0] for _, args, _ in fn.runs] == [calls[0], calls[2], calls[4], calls[5]]
+    assert [args[0] for _, args in fn.compiled.launched] == [calls[1], calls[3]]
 
 
 def test_a_constexpr_given_by_position_is_never_launched_directly(fn):
@@ -131,7 +150,7 @@ def test_the_interpreter_s_kernels_always_take_triton_s_path():
 def test_the_inline_key_of_a_launch_is_each_argument_s_own_key():
     t = torch.zeros(64)
     args = (t, t[1:], t.half(), torch.nn.Parameter(t), 0, 1, 16, 17, -16, -17, 2**31 - 1, 2**31, 2**63, True, False,
-            1.5)
+            1.5, None, _descriptor(t.view(4, 16), (4, 16)))
     assert launching.arguments_key(args) == tuple(map(launching.argument_key, args))
 
 
@@ -146,7 +165,10 @@ def test_arguments_of_one_key_get_one_specialization_from_the_installed_triton()
     buf = torch.zeros(256)
     values = [buf, buf[1:], buf[4:], buf[8:], buf[2:], buf.half(), buf[1:].half(), buf.to(torch.bfloat16),
               0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31, 2**31 + 1, 2**63 - 16, 2**63, 2**64 - 16,
-              True, False, 1.5, 2.0]
+              True, False, 1.5, 2.0, None]
+    w = torch.zeros(4, 64, 128, dtype=torch.bfloat16)
+    values += [_descriptor(w[0]), _descriptor(w[1]), _descriptor(w[0, 1:]), _descriptor(w[0], (32, 32)),
+               _descriptor(w[0].float()), _descriptor(w[0].half(), (64, 64))]
 
     def triton_kind(value):
         kind = native(BaseBackend, value, False, True, True)
