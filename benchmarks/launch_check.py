@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 
 import torch
 
@@ -85,6 +86,16 @@ def _path(name: str):
             os.environ["FUSED_DOWN"] = saved
 
 
+def _eager_ms(call, calls: int = 50) -> float:
+    """ms a call, ``calls`` eager calls launched back to back (the host's time where it paces the GPU)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
 def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> list:
     call = fast_call(lora_batch(shape, ranks_name, tokens, weights))
     guard.activate(weight_tma=True)
@@ -103,8 +114,13 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> list:
                 graphed.zero_()
                 graph.replay()
                 torch.cuda.synchronize()
+            host = {}
+            for direct in (False, True, False, True):  # interleaved; the best of each
+                with direct_launches(direct):
+                    host[direct] = min(host.get(direct, float("inf")), _eager_ms(call))
         rows.append({"path": path, "direct_launches": launches, "eager_equal": torch.equal(eager, reference),
-                     "graph_equal": torch.equal(graphed, reference)})
+                     "graph_equal": torch.equal(graphed, reference), "eager_ms_triton": host[False],
+                     "eager_ms_direct": host[True]})
     return {"shape": name, "ranks": ranks_name, "tokens": tokens, "paths": rows}
 
 
@@ -112,13 +128,16 @@ def markdown(rows, meta) -> str:
     return "\n".join([
         f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. The fast hooked call "
         "with direct launches against the same call through Triton's own launch path, bit for bit.", "",
-        tables.markdown(["shape", "ranks", "tokens", "path", "direct launches", "eager", "CUDA graph"],
+        tables.markdown(["shape", "ranks", "tokens", "path", "direct launches", "eager", "CUDA graph",
+                         "eager ms a call: Triton's launches / direct"],
                         ([r["shape"], r["ranks"], r["tokens"], p["path"], p["direct_launches"],
                           "equal" if p["eager_equal"] else "**DIFFERS**",
-                          "equal" if p["graph_equal"] else "**DIFFERS**"] for r in rows for p in r["paths"])),
+                          "equal" if p["graph_equal"] else "**DIFFERS**",
+                          f"{p['eager_ms_triton']:.3f} / {p['eager_ms_direct']:.3f}"] for r in rows for p in r["paths"])),
         "",
         "path: fast, the fast hooks; fused, with the fused down GEMM and the gate-up delta in the activation at every "
-        "batch they cover (FUSED_DOWN=everywhere).",
+        "batch they cover (FUSED_DOWN=everywhere). eager ms a call: 50 eager calls back to back, best of two, "
+        "interleaved; where the host paces the GPU (small batches) the difference is the launches' host time.",
     ]) + "\n"
 
 
