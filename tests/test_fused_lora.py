@@ -158,3 +158,31 @@ def test_the_wide_epilogue_is_right_over_a_shuffled_list_and_over_it_ordered_by_
         out = run(inputs, n, 16, 32, 32, fp8, n_tiles=3, order=order).float()
         assert not out.isnan().any()
         assert float((out - expected).abs().max() / expected.abs().max()) < TOLERANCE
+
+
+def test_every_launch_of_the_fused_down_path_can_go_to_its_compiled_launcher(monkeypatch):
+    """The fused down launch's kernels (the fp8 quantization, the adapter ordering, both GEMMs, with weights by TMA
+    and without) go through ``launching``'s launcher: after a variant's first launch, the compiled kernel's own.
+    That holds only where every argument is of a kind its key holds (a None, a TensorDescriptor among them), no
+    constexpr is given by position and every argument after the positional ones is named. Recorded, not run (the
+    interpreter has nothing to compile); bit for bit on a GPU: ``benchmarks/launch_check.py``'s fused rows."""
+    import inspect
+
+    from sglang_lora_tma_guard import launching
+
+    launched = []
+    monkeypatch.setattr(launching.Launcher, "launch",
+                        lambda self, grid, *args, **kwargs: launched.append((self.fn, args, kwargs)))
+    inputs = make(72, 208, True, False)[0]
+    for n_tiles, tma in ((0, False), (0, True), (3, False), (3, True)):
+        run(inputs, 72, 16, 32, 128, True, tma, n_tiles)
+    order_by_adapter(align_block_size(inputs["topk_ids"], 16, EXPERTS), 16, inputs["lora"].token_lora)
+    names = {fn.fn.__name__ for fn, _, _ in launched}
+    assert names == {"_quantize_kernel", "_moe_gemm_kernel", "_moe_gemm_wide_kernel", "_order_by_adapter_kernel"}
+    assert any(type(a).__name__ == "TensorDescriptor" for _, args, _ in launched for a in args)
+    assert any(a is None for _, args, _ in launched for a in args)
+    for fn, args, kwargs in launched:
+        launching.arguments_key(args)  # raises TypeError for a kind the key does not hold
+        params = list(inspect.signature(fn.fn).parameters.values())
+        assert not any("constexpr" in str(p.annotation) for p in params[:len(args)]), fn.fn.__name__
+        assert set(fn.arg_names[len(args):]) <= set(kwargs), (fn.fn.__name__, set(fn.arg_names[len(args):]) - set(kwargs))
