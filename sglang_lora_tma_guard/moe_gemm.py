@@ -681,6 +681,6 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, cdiv(k, group)), dtype=torch.float32, device=x.device)
-    launcher(_quantize_kernel)[(cdiv(rows, QUANTIZE_ROWS), scale.shape[1])](x, q, scale, rows, k, x.stride(0), q.stride(0),
-                                                                  scale.stride(0), GROUP=group, ROWS=QUANTIZE_ROWS)
+    launcher(_quantize_kernel)[(cdiv(rows, QUANTIZE_ROWS), scale.shape[1])](
+        x, q, scale, rows, k, x.stride(0), q.stride(0), scale.stride(0), GROUP=group, ROWS=QUANTIZE_ROWS)
     return q, scale
