@@ -192,18 +192,19 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
 
 
 @contextlib.contextmanager
-def fused_down(on: bool, act: bool = True):
+def fused_down(on: bool, act: bool = True, how: str | None = None):
     """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``) and, with it unless
     ``act`` is False, the gate-up delta in the activation (``fused_act``): placed where ``=fast`` places the one and
     ``fused_act.FROM_ROUTES`` the other (whether or not ``fused_act.BY_FAST`` has ``=fast`` place it), or with
     ``FUSED_DOWN=everywhere`` in the environment for every batch they cover (a tile ``=fast`` does not place, timed
     and scored against the float32 reference); ``FUSED_DOWN=everywhere-narrow``: every batch, each down GEMM one
-    column tile a program (``moe_gemm``'s narrow kernel at SGLang's tile) whatever its K."""
+    column tile a program (``moe_gemm``'s narrow kernel at SGLang's tile) whatever its K. ``how``: one of these
+    instead of the environment's."""
     import os
 
     from sglang_lora_tma_guard import fused_act, fused_lora
 
-    how = os.environ.get("FUSED_DOWN", "placed")
+    how = how or os.environ.get("FUSED_DOWN", "placed")
     if how not in ("placed", "everywhere", "everywhere-narrow"):
         raise SystemExit(f"FUSED_DOWN={how!r}: placed (the default), everywhere or everywhere-narrow")
     tiles = fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES

@@ -16,7 +16,6 @@ direct way (none would mean the check compared Triton's path with itself). Write
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 
@@ -67,23 +66,10 @@ def _launchers():
             if name.endswith("_kernel")]
 
 
-@contextlib.contextmanager
 def _path(name: str):
     """``fast``: the fast hooks; ``fused``: with the fused down GEMM and the gate-up delta in the activation, at
-    every batch they cover (``FUSED_DOWN=everywhere``)."""
-    if name == "fast":
-        yield
-        return
-    saved = os.environ.get("FUSED_DOWN")
-    os.environ["FUSED_DOWN"] = "everywhere"
-    try:
-        with fused_down(True):
-            yield
-    finally:
-        if saved is None:
-            os.environ.pop("FUSED_DOWN")
-        else:
-            os.environ["FUSED_DOWN"] = saved
+    every batch they cover."""
+    return contextlib.nullcontext() if name == "fast" else fused_down(True, how="everywhere")
 
 
 def _eager_ms(call, calls: int = 50) -> float:

@@ -583,3 +583,18 @@ def test_fused_down_everywhere_narrow_places_one_column_tile_a_program_at_every_
     monkeypatch.setenv("FUSED_DOWN", "narrow")
     with pytest.raises(SystemExit, match="everywhere-narrow"), fused_down(True):
         pass
+
+
+def test_fused_down_takes_its_placement_from_the_caller_before_the_environment(monkeypatch):
+    """``launch_check``'s fused rows: every batch (``how="everywhere"``, the gate-up delta in the activation from
+    any size) whatever ``FUSED_DOWN`` says; after it, both seams off and the threshold as it was."""
+    from benchmarks._lora_setup import fused_down
+    from sglang_lora_tma_guard import fused_act, fused_lora
+
+    monkeypatch.setenv("FUSED_DOWN", "placed")
+    threshold = fused_act.FROM_ROUTES
+    with fused_down(True, how="everywhere"):
+        assert fused_lora._everywhere and fused_act.placed() and fused_act.FROM_ROUTES == 0
+    with fused_down(True):
+        assert not fused_lora._everywhere and fused_act.FROM_ROUTES == threshold
+    assert not fused_lora._everywhere and not fused_act.placed() and fused_act.FROM_ROUTES == threshold
