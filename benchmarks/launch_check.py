@@ -82,7 +82,7 @@ def _eager_ms(call, calls: int = 50) -> float:
     return (time.perf_counter() - start) * 1e3 / calls
 
 
-def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> list:
+def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     call = fast_call(lora_batch(shape, ranks_name, tokens, weights))
     guard.activate(weight_tma=True)
     rows = []
