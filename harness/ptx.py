@@ -111,15 +111,24 @@ def fused_down(num_warps: int = 4, num_stages: int = 3, **meta) -> dict:
 
     constexprs = dict(ROUTES_PER_A_ROW=1, TOPK=8, SCALE_BLOCK_N=128, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64,
                       BLOCK_R=64, GROUP_M=1, FP8=False, HAS_BIAS=False, MUL_ROUTED_WEIGHT=True, LORA=True,
-                      B_TMA=False, RANK_GRANULE=8, EVEN_K=True, b_desc=None)
+                      B_TMA=False, RANK_GRANULE=8, EVEN_K=True, b_desc=None, SHRINK=False, SHRINK_R=16)
     constexprs.update(meta)
     weights = "*fp8e4nv" if constexprs["FP8"] else "*bf16"
     int32 = ("sorted_ids_ptr", "expert_ids_ptr", "num_post_padded_ptr", "token_lora_ptr", "enabled_ptr", "ranks_ptr")
     return compiled(moe_gemm._moe_gemm_kernel,
                     types={"a_ptr": weights, "b_ptr": weights, "t_ptr": "*fp32", "topk_weights_ptr": "*fp32",
                            "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", **dict.fromkeys(int32, "*i32")},
-                    constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr"),
+                    constexprs=constexprs, unit=("stride_ak", "stride_bk", "stride_cn", "stride_lr", "stride_ak_lora"),
                     num_warps=num_warps, num_stages=num_stages)
+
+
+def gate_up(shrink: bool, num_warps: int = 4, num_stages: int = 3, **meta) -> dict:
+    """This package's 16-bit gate-up GEMM (one A row per token, top-8) with or without the LoRA shrink in its
+    K loop (``moe_gemm``'s ``LoRAShrink``), a prefill tile of Qwen3-30B-A3B tp 1 in bf16 (12 column tiles of 128,
+    ranks up to 64 in both halves: 16 ranks for each of the first 8)."""
+    return fused_down(num_warps, num_stages, **{
+        "ROUTES_PER_A_ROW": 8, "BLOCK_M": 64, "MUL_ROUTED_WEIGHT": False, "LORA": False, "SHRINK": shrink,
+        "SHRINK_R": 16, **meta})
 
 
 def wide_down(num_warps: int = 4, num_stages: int = 2, **meta) -> dict:
@@ -197,6 +206,8 @@ CONFIGURATIONS = {
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
                                          num_warps=4),
     "decode shrink gate-up": lambda: shrink(BLOCK_R=64),
+    "gate-up GEMM, bf16": lambda: gate_up(False),
+    "gate-up GEMM with its shrink, bf16": lambda: gate_up(True),
 }
 
 

@@ -61,15 +61,17 @@ def _moe_gemm_kernel(
     b_desc,
     # With LORA: T (R, halves * max_rank) float32 ranks; LORA_B (slots, experts or 1, N, max_rank);
     # TOKEN_LORA (tokens,) each token's slot, -1: none; ENABLED, RANKS (slots,) int32.
-    t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
+    # With SHRINK (not with LORA): T is written, the routes' ranks; LORA_A (slots, experts or 1, W, K), W the
+    # ranks of both halves (halves * max_rank).
+    t_ptr, lora_b_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, lora_a_ptr,
     # Sizes: N, K of the weights; R routes; S entries of the padded route list; with LORA the slots,
     # the experts the LoRA buffers hold, the columns of one half (N, or N / 2 for a gated gate-up) and
-    # the rank stride between halves in T.
-    N, K, num_routes, num_sorted, num_slots, lora_experts, half_width, max_rank,
+    # the rank stride between halves in T; with SHRINK the slots, those experts, W and the rank stride.
+    N, K, num_routes, num_sorted, num_slots, lora_experts, half_width, max_rank, shrink_width,
     # Strides, in elements.
     stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_bias_e, stride_bias_n, stride_se, stride_sn, stride_sk,
-    stride_tm, stride_ll, stride_le, stride_ln, stride_lr,
+    stride_tm, stride_ll, stride_le, stride_ln, stride_lr, stride_al, stride_ae, stride_ar, stride_ak_lora,
     # Meta-parameters: routes that share one A row (topk for gate-up, 1 for down); routes per token
     # (topk); the fp8 scale block along N; the tile (BLOCK_M = the route list's block size; with FP8,
     # BLOCK_K = one K quantization group; BLOCK_R >= max_rank); GROUP_M, the L2 swizzle of output tiles.
@@ -80,11 +82,16 @@ def _moe_gemm_kernel(
     B_TMA: tl.constexpr,
     RANK_GRANULE: tl.constexpr,  # with LORA: ranks loaded in aligned runs of this many (see _granule)
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: the K loop's loads need no K mask
+    SHRINK: tl.constexpr,  # a 16-bit GEMM's A rows also shrunk by the LoRA A of each row's adapter, into T
+    SHRINK_R: tl.constexpr,  # with SHRINK: the ranks (of W) column tile pid_n computes, from pid_n * SHRINK_R
 ):
     """C[route, n] = sum_k A[route // ROUTES_PER_A_ROW, k] * B[expert(route), n, k], route-major,
     plus the route's LoRA expand with LORA (before the bias and the routed weight).
 
-    With FP8, A holds fp8 values quantized per row and K group, their scales in A_SCALE.
+    With FP8, A holds fp8 values quantized per row and K group, their scales in A_SCALE. With SHRINK (16-bit A) the
+    programs of the first column tiles also write T[route, j] = sum_k A[route's row, k] * LORA_A[adapter, expert, j, k]
+    for their SHRINK_R columns j of W, each route's own ranks only (j % max_rank below its adapter's rank): the A
+    tiles the K loop loads for the GEMM are the ones the shrink reads.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(num_sorted, BLOCK_M)
@@ -131,14 +138,50 @@ def _moe_gemm_kernel(
             lora_experts, half_width, max_rank, stride_tm, TOPK, BLOCK_R, RANK_GRANULE, lora_b_ptr.dtype.element_ty)
         first_b, last_b = _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok,
                                           stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+    if SHRINK:
+        # This program's share of the ranks (none past W; a program past it shrinks nothing: its adapters none),
+        # each row's adapter, the block's lowest and highest, and LORA_A at the expert.
+        offs_j = pid_n * SHRINK_R + tl.arange(0, SHRINK_R)
+        s_slot, s_wanted, s_rank, s_first, s_first_rank, s_last, s_last_rank = _lora_slots(
+            routes, route_ok & (pid_n * SHRINK_R < shrink_width), expert, token_lora_ptr, enabled_ptr, ranks_ptr,
+            num_slots, lora_experts, TOPK)
+        # LORA_A at the expert (a scalar base per adapter) and one tile of offsets: pointer tiles held across the K
+        # loop would take the registers the GEMM's tiles need.
+        la_expert = lora_a_ptr + expert * stride_ae
+        la_offs = offs_j[None, :] * stride_ar + offs_k[:, None] * stride_ak_lora
+        first_la = la_expert + tl.cast(tl.where(s_first < num_slots, s_first, 0), tl.int64) * stride_al
+        last_la = la_expert + tl.cast(tl.where(s_last >= 0, s_last, 0), tl.int64) * stride_al
+        first_j = _rank_columns(offs_j, shrink_width, max_rank, s_first_rank)
+        last_j = _rank_columns(offs_j, shrink_width, max_rank, s_last_rank)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
-        acc = _k_step(acc, a_ptrs, b_ptrs, b_desc, as_ptrs + k_tile * stride_ask, s_ptrs + k_tile * stride_sk,
-                      route_ok, offs_k, expert, pid_n * BLOCK_N, k_tile * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA,
-                      EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-
+    if SHRINK:
+        # Every row against the block's lowest and highest adapter's tiles (the A tile as the GEMM's dot has it, no
+        # copy of it masked by rows); each row keeps its own adapter's after the loop. One K loop for each case, the
+        # program's own taken: a dot on zeros would still cost the tensor cores its time.
+        t_first = tl.zeros((BLOCK_M, SHRINK_R), dtype=tl.float32)
+        t_last = tl.zeros((BLOCK_M, SHRINK_R), dtype=tl.float32)
+        if s_last_rank > 0:
+            acc, t_first, t_last = _k_loop(acc, t_first, t_last, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok,
+                                           offs_k, expert, pid_n * BLOCK_N, K, stride_ak, stride_bk, stride_ask,
+                                           stride_sk, first_la, last_la, la_offs, first_j, last_j, stride_ak_lora,
+                                           BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0, 2)
+        elif s_first_rank > 0:
+            acc, t_first, t_last = _k_loop(acc, t_first, t_last, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok,
+                                           offs_k, expert, pid_n * BLOCK_N, K, stride_ak, stride_bk, stride_ask,
+                                           stride_sk, first_la, last_la, la_offs, first_j, last_j, stride_ak_lora,
+                                           BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0, 1)
+        else:
+            acc, t_first, t_last = _k_loop(acc, t_first, t_last, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok,
+                                           offs_k, expert, pid_n * BLOCK_N, K, stride_ak, stride_bk, stride_ask,
+                                           stride_sk, first_la, last_la, la_offs, first_j, last_j, stride_ak_lora,
+                                           BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0, 0)
+    else:
+        for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
+            acc = _k_step(acc, a_ptrs, b_ptrs, b_desc, as_ptrs + k_tile * stride_ask, s_ptrs + k_tile * stride_sk,
+                          route_ok, offs_k, expert, pid_n * BLOCK_N, k_tile * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA,
+                          EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
     if LORA:
         acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
                         ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
@@ -151,6 +194,17 @@ def _moe_gemm_kernel(
     # The output's addresses only now: held across the K loop they would take registers the tiles need.
     tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=route_ok[:, None] & n_ok[None, :])
+    if SHRINK:  # after the GEMM's store: its accumulator no longer holds registers
+        t_rest = tl.zeros((BLOCK_M, SHRINK_R), dtype=tl.float32)
+        if s_last > s_first + 1:  # adapters between (rows not ordered by adapter): their own K loop
+            t_rest = _shrink_rest(t_rest, a_ptrs, la_expert + la_offs, offs_k, K, offs_j, shrink_width, max_rank,
+                                  s_slot, s_wanted, s_first, s_last, ranks_ptr, stride_ak, stride_al, stride_ak_lora,
+                                  BLOCK_K)
+        acc_t = tl.where((s_slot == s_first)[:, None], t_first, tl.where((s_slot == s_last)[:, None], t_last, t_rest))
+        tl.store(t_ptr + routes[:, None] * stride_tm + offs_j[None, :], acc_t,
+                 mask=s_wanted[:, None] & ((offs_j % max_rank)[None, :] < s_rank[:, None])
+                 & (offs_j < shrink_width)[None, :])
+
 
 
 @triton.jit
@@ -297,6 +351,16 @@ def _k_step(acc, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok, offs_k, expe
     """``acc`` plus the K tile from ``k0`` (one quantization group of A and of B with FP8): the block's A rows,
     the weight tile (through ``b_desc`` with B_TMA, which fills what lies past N or K with zeros; else from
     ``b_ptrs``, whose columns past N read a valid column), the pointers all at that tile."""
+    acc, _ = _k_step_a(acc, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok, offs_k, expert, first_n, k0, K,
+                       BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K, ONE_SCALE)
+    return acc
+
+
+@triton.jit
+def _k_step_a(acc, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok, offs_k, expert, first_n, k0, K,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_TMA: tl.constexpr,
+              EVEN_K: tl.constexpr, ONE_SCALE: tl.constexpr):
+    """:func:`_k_step`, and the A tile it loaded (zero past K and in rows of no route)."""
     if EVEN_K:
         a = tl.load(a_ptrs, mask=route_ok[:, None], other=0.0)
     else:
@@ -312,7 +376,63 @@ def _k_step(acc, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok, offs_k, expe
         acc = _scaled_dot(acc, a, b, tl.load(as_ptrs, mask=route_ok, other=0.0), s_ptrs, ONE_SCALE)
     else:
         acc = tl.dot(a, b, acc=acc)
-    return acc
+    return acc, a
+
+
+@triton.jit
+def _k_loop(acc, t_first, t_last, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok, offs_k, expert, first_n, K,
+            stride_ak, stride_bk, stride_ask, stride_sk, first_la, last_la, la_offs, first_j, last_j, stride_ak_lora,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+            ONE_SCALE: tl.constexpr, SHRINK_DOTS: tl.constexpr):
+    """:func:`_moe_gemm_kernel`'s K loop; with ``SHRINK_DOTS`` 1 or 2, each A tile also against the block's lowest
+    (and highest) adapter's LORA_A tile, into ``t_first`` (``t_last``)."""
+    for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = k_tile * BLOCK_K
+        acc, x = _k_step_a(acc, a_ptrs, b_ptrs, b_desc, as_ptrs + k_tile * stride_ask, s_ptrs + k_tile * stride_sk,
+                           route_ok, offs_k, expert, first_n, k0, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K, ONE_SCALE)
+        if SHRINK_DOTS >= 1:
+            k_ok = offs_k < K - k0
+            t_first = _shrink_dot(t_first, x, first_la + k0 * stride_ak_lora + la_offs, k_ok, first_j, EVEN_K)
+            if SHRINK_DOTS == 2:
+                t_last = _shrink_dot(t_last, x, last_la + k0 * stride_ak_lora + la_offs, k_ok, last_j, EVEN_K)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc, t_first, t_last
+
+
+@triton.jit
+def _rank_columns(offs_j, shrink_width, max_rank, rank):
+    """Which of the shrink's columns ``offs_j`` (of W: the gate ranks, then the up ranks) an adapter of ``rank``
+    has."""
+    return (offs_j < shrink_width) & (offs_j % max_rank < rank)
+
+
+@triton.jit
+def _shrink_dot(acc_t, x, la_ptrs, k_ok, columns, EVEN_K: tl.constexpr):
+    """``acc_t`` plus the A tile ``x`` against one adapter's LORA_A tile (its ``columns`` only)."""
+    if EVEN_K:
+        la = tl.load(la_ptrs, mask=columns[None, :], other=0.0)
+    else:
+        la = tl.load(la_ptrs, mask=k_ok[:, None] & columns[None, :], other=0.0)
+    return tl.dot(x, la, acc=acc_t)
+
+
+@triton.jit
+def _shrink_rest(acc_t, a_ptrs, la_ptrs, offs_k, K, offs_j, shrink_width, max_rank, slot, wanted, first, last,
+                 ranks_ptr, stride_ak, stride_al, stride_ak_lora, BLOCK_K: tl.constexpr):
+    """``acc_t`` plus the shrink of the rows of the adapters strictly between the block's lowest and highest, each
+    present one over the whole K (the A rows read again): a block whose rows do not come ordered by adapter."""
+    for s in range(first + 1, last):
+        mine = wanted & (slot == s)
+        if tl.max(mine.to(tl.int32), 0) > 0:  # this adapter has rows in the block
+            columns = _rank_columns(offs_j, shrink_width, max_rank, tl.load(ranks_ptr + s))
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = offs_k < K - k0
+                x = tl.load(a_ptrs + k0 * stride_ak, mask=mine[:, None] & k_ok[None, :], other=0.0)
+                la = tl.load(la_ptrs + tl.cast(s, tl.int64) * stride_al + k0 * stride_ak_lora,
+                             mask=k_ok[:, None] & columns[None, :], other=0.0)
+                acc_t = tl.dot(x, la, acc=acc_t)
+    return acc_t
 
 
 @triton.jit
@@ -569,6 +689,28 @@ class LoRAEpilogue:
         return rank_tile(self.max_rank)
 
 
+@dataclass(frozen=True)
+class LoRAShrink:
+    """What a 16-bit gate-up GEMM shrinks beside it: each route's ranks into ``t`` (routes, halves * max_rank)
+    float32, written only for the routes with a delta and only at their adapter's true ranks (the rest is left as
+    it is); ``lora_a`` (slots, ``experts`` or 1, halves * max_rank, K), the gate ranks then the up ranks;
+    ``token_lora``, ``enabled``, ``ranks`` as :class:`LoRAEpilogue`'s. The ranks are what the fast hooks' shrink
+    (``lora_moe.shrink``) writes, summed in another order."""
+
+    t: torch.Tensor
+    lora_a: torch.Tensor
+    token_lora: torch.Tensor
+    enabled: torch.Tensor
+    ranks: torch.Tensor
+    experts: int
+    max_rank: int
+    halves: int = 2
+
+    def block_r(self, column_tiles: int) -> int:
+        """The ranks each of the first column tiles computes: all of them shared among the tiles, 16 at least."""
+        return max(16, triton.next_power_of_2(cdiv(self.halves * self.max_rank, column_tiles)))
+
+
 def rank_tile(max_rank: int) -> int:
     """The epilogue's rank tile (``BLOCK_R``) for adapters up to ``max_rank``: a power of two, 16 at least (a dot)."""
     return max(16, triton.next_power_of_2(max_rank))
@@ -577,7 +719,7 @@ def rank_tile(max_rank: int) -> int:
 def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, expert_ids,
              num_post_padded, routes_per_a_row: int, mul_routed_weight: bool, tile: dict,
              scale_block_n: int = 1, topk: int | None = None, lora: LoRAEpilogue | None = None,
-             weights_by_tma: bool = False, n_tiles: int = 0) -> None:
+             weights_by_tma: bool = False, n_tiles: int = 0, shrink: LoRAShrink | None = None) -> None:
     """One expert GEMM over SGLang's sorted route list, written route-major into ``out`` (R, N).
 
     ``a`` is fp8 with per-row, per-K-group ``a_scale`` when ``w_scale`` is given (block fp8); then
@@ -588,7 +730,9 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     ``n_tiles``: each program computes
     that many column tiles (:func:`_moe_gemm_wide_kernel`: one A row per route, no bias, SGLang's route list,
     K of at most ``WIDE_K_TILES`` tiles); ``tile["GROUP_M"]`` is then unused, and ``tile["K_LOOP"]`` (0 unless
-    given) makes each column tile's K steps a pipelined loop instead of unrolled.
+    given) makes each column tile's K steps a pipelined loop instead of unrolled. ``shrink``: the gate-up LoRA's
+    shrink computed in the K loop from the A tiles the GEMM loads (16-bit A, one A row per token, one column tile a
+    program, not with ``lora``).
     """
     experts, n, k = w.shape
     fp8 = w_scale is not None
@@ -619,6 +763,18 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
         lora_sizes = (lora.ranks.numel(), lora.experts, half_width, lora.max_rank)
         lora_strides = (lora.t.stride(0), lb.stride(0), 0 if lb.shape[1] == 1 else lb.stride(1), lb.stride(2),
                         lb.stride(3))
+    elif shrink is not None:
+        la = shrink.lora_a
+        width = shrink.halves * shrink.max_rank
+        assert not fp8 and not n_tiles, "the shrink reads the GEMM's 16-bit A tiles, one column tile a program"
+        assert topk and routes_per_a_row == topk and out.shape[0] == shrink.token_lora.shape[0] * topk, \
+            "a gate-up GEMM: one A row and one adapter slot per token"
+        assert shrink.t.shape == (out.shape[0], width) and shrink.t.stride(1) == 1, shrink.t.shape
+        assert shrink.t.dtype == torch.float32, shrink.t.dtype
+        assert la.shape[2:] == (width, k) and la.dtype == a.dtype, (tuple(la.shape), la.dtype)
+        assert la.shape[1] in (1, shrink.experts), (la.shape, shrink.experts)
+        lora_args = (shrink.t, w, shrink.token_lora, shrink.enabled, shrink.ranks)
+        lora_sizes, lora_strides = (shrink.ranks.numel(), shrink.experts, n, shrink.max_rank), (shrink.t.stride(0), 0, 0, 0, 0)
     else:
         lora_args, lora_sizes, lora_strides = (w,) * 5, (0, 0, n, 0), (0,) * 5
     b_desc = None
@@ -651,19 +807,30 @@ def moe_gemm(a, w, out, *, a_scale, w_scale, bias, topk_weights, sorted_ids, exp
     launcher(_moe_gemm_kernel)[grid](
         a, a_scale if fp8 else a, w, out, bias if bias is not None else w, w_scale if fp8 else w,
         topk_weights, sorted_ids, expert_ids, num_post_padded, b_desc, *lora_args,
-        n, k, out.shape[0], sorted_ids.shape[0], *lora_sizes,
+        shrink.lora_a if shrink is not None else w,
+        n, k, out.shape[0], sorted_ids.shape[0], *lora_sizes, shrink.halves * shrink.max_rank if shrink is not None else 0,
         a.stride(0), a.stride(1), a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
-        *lora_strides,
+        *lora_strides, *_lora_a_strides(shrink),
         ROUTES_PER_A_ROW=routes_per_a_row, TOPK=topk or 1, SCALE_BLOCK_N=scale_block_n,
         BLOCK_R=lora.block_r() if lora is not None else 16,
         FP8=fp8, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, LORA=lora is not None,
         B_TMA=b_desc is not None,
         RANK_GRANULE=rank_granule(lora.max_rank) if lora is not None else 1, EVEN_K=k % block_k == 0,
+        SHRINK=shrink is not None,
+        SHRINK_R=shrink.block_r(cdiv(n, tile["BLOCK_N"])) if shrink is not None else 16,
         **{name: value for name, value in tile.items() if name != "K_LOOP"},
     )
+
+
+def _lora_a_strides(shrink: LoRAShrink | None) -> tuple[int, int, int, int]:
+    """The shrink's LoRA A strides (slot, expert: 0 for one matrix shared by every expert, rank, K)."""
+    if shrink is None:
+        return 0, 0, 0, 0
+    la = shrink.lora_a
+    return la.stride(0), 0 if la.shape[1] == 1 else la.stride(1), la.stride(2), la.stride(3)
 
 
 def wide_shared_bytes(tile: dict, k_tiles: int, max_rank: int, weight_bytes: int) -> int:

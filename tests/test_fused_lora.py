@@ -177,6 +177,7 @@ def test_every_launch_of_the_fused_down_path_can_go_to_its_compiled_launcher(mon
     for n_tiles, tma in ((0, False), (0, True), (3, False), (3, True)):
         run(inputs, 72, 16, 32, 128, True, tma, n_tiles)
     order_by_adapter(align_block_size(inputs["topk_ids"], 16, EXPERTS), 16, inputs["lora"].token_lora)
+    gate_up_run(*gate_up_case(72, 64, False), 16, 32, 32, shrink=True)  # the gate-up GEMM with its shrink
     names = {fn.fn.__name__ for fn, _, _ in launched}
     assert names == {"_quantize_kernel", "_moe_gemm_kernel", "_moe_gemm_wide_kernel", "_order_by_adapter_kernel"}
     assert any(type(a).__name__ == "TensorDescriptor" for _, args, _ in launched for a in args)
@@ -186,3 +187,71 @@ def test_every_launch_of_the_fused_down_path_can_go_to_its_compiled_launcher(mon
         params = list(inspect.signature(fn.fn).parameters.values())
         assert not any("constexpr" in str(p.annotation) for p in params[:len(args)]), fn.fn.__name__
         assert set(fn.arg_names[len(args):]) <= set(kwargs), (fn.fn.__name__, set(fn.arg_names[len(args):]) - set(kwargs))
+
+
+def gate_up_case(n: int, k: int, shared_outer: bool, seed: int = 1):
+    """A gated gate-up GEMM's inputs (one A row per token, ``n`` columns: gate then up) and its LoRA A (the gate
+    ranks, then the up ranks), NaN in every rank row past a slot's own rank."""
+    inputs = make(8, 8, False, False, seed)[0]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(TOKENS, k, generator=gen).half()
+    w = (torch.randn(EXPERTS, n, k, generator=gen) / k**0.5).half()
+    lora_a = torch.randn(len(RANKS), 1 if shared_outer else LORA_EXPERTS, 2 * MAX_RANK, k, generator=gen) / k**0.5
+    for slot, rank in enumerate(RANKS):
+        lora_a[slot, :, rank:MAX_RANK] = float("nan")
+        lora_a[slot, :, MAX_RANK + rank:] = float("nan")
+    return x, w, lora_a.half(), inputs["topk_ids"], inputs["lora"].token_lora
+
+
+def gate_up_run(x, w, lora_a, topk_ids, token_lora, block_m: int, block_n: int, block_k: int, shrink: bool,
+                order=None):
+    """The gate-up GEMM over SGLang's route list (``order``: a change to it first), with the shrink in its K loop
+    or without; the output and the ranks (NaN where nothing was written)."""
+    route_list = align_block_size(topk_ids, block_m, EXPERTS)
+    sorted_ids, expert_ids, post_padded = order(route_list, block_m) if order else route_list
+    out = torch.full((TOKENS * TOPK, w.shape[1]), float("nan"), dtype=torch.float16)
+    t = torch.full((TOKENS * TOPK, 2 * MAX_RANK), float("nan"))
+    lora = moe_gemm.LoRAShrink(t, lora_a, token_lora, torch.tensor(ENABLED, dtype=torch.int32),
+                               torch.tensor(RANKS, dtype=torch.int32), LORA_EXPERTS, MAX_RANK) if shrink else None
+    tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=2, num_warps=4, num_stages=2)
+    moe_gemm.moe_gemm(x, w, out, a_scale=None, w_scale=None, bias=None, topk_weights=None, sorted_ids=sorted_ids,
+                      expert_ids=expert_ids, num_post_padded=post_padded, routes_per_a_row=TOPK, mul_routed_weight=False,
+                      tile=tile, topk=TOPK, shrink=lora)
+    return out, t
+
+
+@pytest.mark.parametrize("n, k, shared_outer, block_m, block_n, block_k, listed", [
+    (200, 72, False, 16, 32, 32, "sglang"),  # 7 column tiles, 16 ranks each for the first 4; odd widths
+    (200, 72, False, 16, 32, 32, "ordered"),
+    pytest.param(128, 64, True, 32, 64, 32, "sglang", marks=pytest.mark.slow),  # 2 column tiles of 32 ranks
+], ids=["odd-widths", "odd-widths-ordered-by-adapter", "shared-outer-block-32"])
+def test_the_gate_up_gemm_shrinks_each_routes_own_adapter_in_its_k_loop(n, k, shared_outer, block_m, block_n,
+                                                                        block_k, listed):
+    """``moe_gemm``'s ``LoRAShrink``: the gate-up GEMM's programs shrink the A tiles they load for the GEMM. Each
+    route's ranks, both halves, against a float32 reference from the same fp16 inputs: routes of the base model,
+    of a disabled slot, of a slot of rank 0, filtered out, or to the expert the LoRA buffers do not hold get none
+    written; no rank past a slot's own is written, and the NaN past it in LoRA A reaches nothing. Over SGLang's list
+    one block holds three adapters with deltas (the lowest and highest in the K loop, the one between in its own).
+    The GEMM's output is the plain GEMM's, bit for bit.
+
+    Tolerance: float32 sums of ``k`` fp16 products (about 1 each) in another order, a few float32 steps of their
+    size: 1e-5 of the largest rank (measured: about 5e-7)."""
+    x, w, lora_a, topk_ids, token_lora = gate_up_case(n, k, shared_outer)
+    order = (lambda route_list, bm: order_by_adapter(route_list, bm, token_lora)) if listed == "ordered" else None
+    out, t = gate_up_run(x, w, lora_a, topk_ids, token_lora, block_m, block_n, block_k, True, order)
+    plain, untouched = gate_up_run(x, w, lora_a, topk_ids, token_lora, block_m, block_n, block_k, False, order)
+    assert torch.equal(out, plain) and untouched.isnan().all()
+
+    expected = torch.full_like(t, float("nan"))
+    for route, expert in enumerate(topk_ids.reshape(-1).tolist()):
+        slot = int(token_lora[route // TOPK])
+        if expert < 0 or slot < 0 or not ENABLED[slot] or not RANKS[slot] or expert >= LORA_EXPERTS:
+            continue
+        a = lora_a[slot, min(expert, lora_a.shape[1] - 1)].float()
+        for half in (0, MAX_RANK):
+            rows = slice(half, half + RANKS[slot])
+            expected[route, rows] = a[rows] @ x[route // TOPK].float()
+    assert torch.equal(t.isnan(), expected.isnan())  # written exactly where the hooks' expand reads
+    assert (~t.isnan()).sum() > 0
+    err = float((t - expected).nan_to_num().abs().max() / expected.nan_to_num().abs().max())
+    assert err < 1e-5, err
