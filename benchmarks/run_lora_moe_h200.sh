@@ -3,7 +3,9 @@
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
 # default LoRA MoE path with those tiles; or each kernel of the fast path against its floor (kernels).
 # Results under ${OUT:-results}/.
-#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|act|place-act|tune-ab|race|launch|down] [extra arguments for the Python scripts]
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|act|place-act|tune-ab|race|launch|down|gate-up] [extra arguments for the Python scripts]
+# gate-up: benchmarks/gate_up_gemm.py (bf16 experts: SGLang's gate-up GEMM and the hook's shrink, against this
+# package's gate-up GEMM with the shrink in its K loop).
 # down: benchmarks/down_gemm.py (the down GEMM alone: SGLang's, this package's over tile variants, the down
 # LoRA as a hook or in the GEMM's epilogue), then what its table says of the fused launch's thresholds
 # (benchmarks/fused_policy.py, into $OUT/fused_policy.md).
@@ -58,6 +60,9 @@ fi
 if [ "$what" = launch ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.launch_check --out "$OUT" "$@"
   timeout "${BENCH_S:-280}" python3 -m benchmarks.hook_host_time --cuda --repeats 5 --layers 1000 | tee "$OUT/host-cuda.txt"
+fi
+if [ "$what" = gate-up ]; then
+  timeout "${BENCH_S:-280}" python3 -m benchmarks.gate_up_gemm --base bf16 --out "$OUT" "$@" || echo "gate_up_gemm stopped (exit $?)"
 fi
 if [ "$what" = down ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.down_gemm --out "$OUT" "$@" || echo "down_gemm stopped (exit $?)"
