@@ -21,8 +21,8 @@ is that function of the rows, and the offer is kept whichever runs:
   launch, the next launch in the sequence, takes the offer first (:func:`finish`) and writes the activation
   again, delta included, into its input, before anything reads it.
 
-Placed from :data:`FROM_ROUTES` routes, where :func:`activate` is called: by ``=fast`` once :data:`BY_FAST` is on,
-by the benchmarks and tests until then; elsewhere the hook's expand runs. Not under ``torch.compile``. Right:
+Placed from :data:`FROM_ROUTES` routes, where :func:`activate` is called: by ``=fast`` (:data:`BY_FAST`), by the
+benchmarks and tests; elsewhere the hook's expand runs. Not under ``torch.compile``. Right:
 ``tests/test_fast_lora.py``; measured: ``docs/lora_moe_floor.md``.
 """
 
@@ -40,16 +40,19 @@ from .patching import Engaged, Patch
 
 MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 NAME = "silu_and_mul"
-BY_FAST = False
-"""Does ``=fast`` place it? Not yet: its kernel is timed on a GPU and right through the interpreter, but the GPU's
-own output of a placed call has not been scored against the float32 reference (``FUSED_DOWN=everywhere bash
-benchmarks/run_lora_moe_h200.sh bench --shapes qwen3-30b-tp1 glm51-fp8-tp8 --rank-sets mixed r16``), and the whole
-hooked call not timed with it (``... kernels``: ``fused`` against ``fused, gate-up hooked``)."""
-FROM_ROUTES = 16384
-"""Where the gate-up work goes into the activation once placed: from this many routes (tokens x top-k), the smallest
-batch measured faster at every rank set. The one kernel against the expand + SGLang's ``silu_and_mul`` on
-Qwen3-30B-A3B tp1, an H100 (``benchmarks/results/lora_moe/act/``): rank 16 0.045 / 0.074 ms at 2048 tokens, 0.196 /
-0.293 at 8192; ranks up to 64 0.087 / 0.106 and 0.265 / 0.327."""
+BY_FAST = True
+"""Does ``=fast`` place it? Yes, from :data:`FROM_ROUTES` routes: the whole hooked call with it was faster than with
+the hook's expand at every batch measured, and its output as close to the float32 reference (closer in 11 of 12
+batches, a tenth of a bf16 step further in one; closer than SGLang's default path in all 12). An H100, SGLang's
+runner, GLM-5.1 TP8 and Qwen3-30B-A3B tp1 with block-fp8 experts, ranks 8-64 and all 16, 256 to 8192 tokens:
+``bash benchmarks/run_lora_moe_h200.sh place-act``, ``benchmarks/results/lora_moe/place-act/``). Off: the hook's
+expand at every batch."""
+FROM_ROUTES = 2048
+"""Where the gate-up work goes into the activation: from this many routes (tokens x top-k), the smallest batch
+measured (256 tokens at top-8). The whole call against the same call with the gate-up expand in its hook, an H100:
+0.7-1.7% faster on GLM-5.1 TP8, 2.3-5.6% on Qwen3-30B-A3B tp1 (mixed ranks at 256 tokens 0.394 / 0.416 ms, rank 16
+at 8192 tokens 1.659 / 1.758); the one kernel 0.59-0.82 of the expand + SGLang's ``silu_and_mul``. Smaller batches are not
+measured: there the hook's expand runs."""
 TILE = {"BLOCK_N": 64, "N_TILES": 1, "num_warps": 4, "num_stages": 2}
 """The one kernel's tile (the fastest of ``benchmarks/act_tiles.py``'s on every batch measured but ranks up to 64
 at 8192 tokens, 12% behind the best there, 8 column tiles of 32)."""

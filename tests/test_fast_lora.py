@@ -762,9 +762,9 @@ def test_checks_fast_path_line_names_the_down_gemm_widths_the_fused_launch_is_pl
     from sglang_lora_tma_guard import fused_act
 
     monkeypatch.setattr(fused_act, "FROM_ROUTES", 4096)
-    assert "activation" not in fast.describe() and not fused_act.BY_FAST  # not placed by =fast yet
-    monkeypatch.setattr(fused_act, "BY_FAST", True)
-    assert "the gate-up expand in the SiLU activation from 4096 routes;" in fast.describe()
+    assert fused_act.BY_FAST and "the gate-up expand in the SiLU activation from 4096 routes;" in fast.describe()
+    monkeypatch.setattr(fused_act, "BY_FAST", False)
+    assert "activation" not in fast.describe()
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
