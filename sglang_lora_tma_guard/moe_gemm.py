@@ -206,7 +206,6 @@ def _moe_gemm_kernel(
                  & (offs_j < shrink_width)[None, :])
 
 
-
 @triton.jit
 def _moe_gemm_wide_kernel(
     # As _moe_gemm_kernel's, less the bias; one A row per route.
