@@ -142,5 +142,19 @@ def replay_times(graphs: dict, replays=50, repeats=5) -> dict:
     return best
 
 
+def time_parts(capture_mode, parts: dict) -> dict:
+    """Best ms per replay of each part (a function of no arguments), each captured in a CUDA graph in ``capture_mode``
+    and the graphs replayed interleaved; a part that fails to capture (a variant that does not compile here) is
+    said and left out."""
+    graphs = {}
+    with capture_mode():
+        for part, fn in parts.items():
+            try:
+                graphs[part] = capture(fn)[0]
+            except Exception as error:  # noqa: BLE001 - a row left out, the rest still timed
+                print(f"{part}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    return replay_times(graphs)
+
+
 def replay_ms(graph, replays=50, repeats=5) -> float:
     return replay_times({"graph": graph}, replays, repeats)["graph"]

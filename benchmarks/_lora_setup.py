@@ -165,6 +165,25 @@ def lora_batch(shape: dict, ranks_name: str, tokens: int, weights, route_list: s
                      torch.zeros(tokens, topk, hidden.shape[1], dtype=hidden.dtype, device="cuda"))
 
 
+def add_rank_sets_option(parser) -> None:
+    """``--rank-sets``: the adapters' ranks, ``mixed`` (the default) or ``rN`` (four adapters of rank N)."""
+    parser.add_argument("--rank-sets", nargs="+", default=["mixed"], help="mixed, or rN (four adapters of rank N)")
+
+
+def parts_table(rows, meta, what: str) -> list[str]:
+    """The markdown lines of a table of parts (rows of ``ms PART``, one column a batch), headed by the run's
+    versions and GPU and ``what`` was timed."""
+    from harness import tables
+
+    parts = [k.removeprefix("ms ") for k in rows[0] if k.startswith("ms ")]
+    return [
+        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}; {what}",
+        "",
+        tables.markdown(["part", *(f"{r['shape']} {r['ranks']} {r['tokens']}" for r in rows)],
+                        ([p, *(f"{r[f'ms {p}']:.4f}" if f"ms {p}" in r else "–" for r in rows)] for p in parts)),
+    ]
+
+
 def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
     """Every batch of ``args`` through ``measure(capture_mode, name, shape, ranks, tokens, weights)``, the
     rows written to ``STEM.json`` and ``STEM.md`` under ``--out`` after each (a run cut short keeps them)."""

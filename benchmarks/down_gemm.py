@@ -38,9 +38,8 @@ import sys
 
 import torch
 
-from benchmarks._bench import benchmark_parser, capture, replay_times
-from benchmarks._lora_setup import add_base_option, lora_batch, run_batches, sglang_route_list
-from harness import tables
+from benchmarks._bench import benchmark_parser, time_parts
+from benchmarks._lora_setup import add_base_option, add_rank_sets_option, lora_batch, parts_table, run_batches, sglang_route_list
 
 TOKENS = [1024, 4096, 8192]
 WIDE = [(16, {}), (16, {"num_stages": 2}), (8, {"num_stages": 2}), (32, {"BLOCK_N": 64, "num_stages": 2}),
@@ -166,15 +165,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
     }
     if wanted:
         parts = {p: fn for p, fn in parts.items() if p in SUMS or any(w in p for w in wanted)}
-    graphs = {}
-    with capture_mode():
-        for part, fn in parts.items():
-            try:
-                graphs[part] = capture(fn)[0]
-            except Exception as error:  # noqa: BLE001 - a variant that does not compile here is a row left out
-                print(f"{part}: {type(error).__name__}: {str(error)[:200]}", flush=True)
-    times = replay_times(graphs)
-    del graphs
+    times = time_parts(capture_mode, parts)
 
     def output(n_tiles, change):  # the fused GEMM's output over SGLang's list ordered by adapter
         own(lora, blocks=ordered, n_tiles=n_tiles, **change)
@@ -198,15 +189,10 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
 
 
 def markdown(rows, meta) -> str:
-    parts = [k.removeprefix("ms ") for k in rows[0] if k.startswith("ms ")]
     return "\n".join([
-        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}; the down GEMM "
-        "of a hooked call, block-fp8 experts (128 x 128 scales), ms per call, CUDA-graph replay, best of 5 x 50 "
-        "(interleaved). fast: sglang + hook; fused: quantize + shrink + the best wide + LoRA (fused ordered: + order "
-        "by adapter).",
-        "",
-        tables.markdown(["part", *(f"{r['shape']} {r['ranks']} {r['tokens']}" for r in rows)],
-                        ([p, *(f"{r[f'ms {p}']:.4f}" if f"ms {p}" in r else "–" for r in rows)] for p in parts)),
+        *parts_table(rows, meta, "the down GEMM of a hooked call, block-fp8 experts (128 x 128 scales), ms per call, "
+                     "CUDA-graph replay, best of 5 x 50 (interleaved). fast: sglang + hook; fused: quantize + shrink "
+                     "+ the best wide + LoRA (fused ordered: + order by adapter)."),
         "",
         "SGLang's tile: " + "; ".join(f"{r['tokens']} tokens {r['tile']}, TMA {r['use_tma']}" for r in rows),
         "",
@@ -220,7 +206,7 @@ def markdown(rows, meta) -> str:
 def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, TOKENS)
     add_base_option(parser)
-    parser.add_argument("--rank-sets", nargs="+", default=["mixed"], help="mixed, or rN (four adapters of rank N)")
+    add_rank_sets_option(parser)
     parser.add_argument("--parts", nargs="+", help="time only the rows whose name holds one of these (and the sums' parts)")
     args = parser.parse_args(argv)
     return run_batches(args, "down_gemm", functools.partial(measure, wanted=args.parts), markdown)

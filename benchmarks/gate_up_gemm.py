@@ -30,9 +30,8 @@ import sys
 
 import torch
 
-from benchmarks._bench import benchmark_parser, capture, replay_times
-from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
-from harness import tables
+from benchmarks._bench import benchmark_parser, time_parts
+from benchmarks._lora_setup import add_base_option, add_rank_sets_option, lora_batch, parts_table, run_batches
 
 TOKENS = [1024, 4096, 8192]
 
@@ -93,15 +92,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
         "own + shrink, ordered": lambda: own(shrink, blocks=ordered),
         "own + shrink, ordered, GROUP_M=8": lambda: own(shrink, blocks=ordered, GROUP_M=8),
     }
-    graphs = {}
-    with capture_mode():
-        for part, fn in parts.items():
-            try:
-                graphs[part] = capture(fn)[0]
-            except Exception as error:  # noqa: BLE001 - a variant that does not compile here is a row left out
-                print(f"{part}: {type(error).__name__}: {str(error)[:200]}", flush=True)
-    times = replay_times(graphs)
-    del graphs
+    times = time_parts(capture_mode, parts)
 
     # Right: the ranks against the hook's where the hook writes them (each adapter's true ranks of the pairs with a
     # delta), and the output against SGLang's GEMM's.
@@ -138,15 +129,10 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
 
 
 def markdown(rows, meta) -> str:
-    parts = [k.removeprefix("ms ") for k in rows[0] if k.startswith("ms ")]
     return "\n".join([
-        f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}; the gate-up GEMM "
-        "of a hooked call and its LoRA shrink, bf16 experts, ms per call, CUDA-graph replay, best of 5 x 50 "
-        "(interleaved). fast: sglang + routing + shrink (one stream); fused: the best own + shrink (+ order by "
-        "adapter) + routing.",
-        "",
-        tables.markdown(["part", *(f"{r['shape']} {r['ranks']} {r['tokens']}" for r in rows)],
-                        ([p, *(f"{r[f'ms {p}']:.4f}" if f"ms {p}" in r else "–" for r in rows)] for p in parts)),
+        *parts_table(rows, meta, "the gate-up GEMM of a hooked call and its LoRA shrink, bf16 experts, ms per call, "
+                     "CUDA-graph replay, best of 5 x 50 (interleaved). fast: sglang + routing + shrink (one stream); "
+                     "fused: the best own + shrink (+ order by adapter) + routing."),
         "",
         "Errors (ranks against the hook's shrink, relative to the largest; output against SGLang's GEMM): "
         + "; ".join(f"{r['ranks']} {r['tokens']}: {r['ranks error']:.1e}, {r['output error']:.1e}" for r in rows),
@@ -158,9 +144,8 @@ def markdown(rows, meta) -> str:
 def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, TOKENS)
     add_base_option(parser)
-    parser.add_argument("--rank-sets", nargs="+", default=["mixed"], help="mixed, or rN (four adapters of rank N)")
-    args = parser.parse_args(argv)
-    return run_batches(args, "gate_up_gemm", measure, markdown)
+    add_rank_sets_option(parser)
+    return run_batches(parser.parse_args(argv), "gate_up_gemm", measure, markdown)
 
 
 if __name__ == "__main__":

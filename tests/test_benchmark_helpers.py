@@ -598,3 +598,19 @@ def test_fused_down_takes_its_placement_from_the_caller_before_the_environment(m
     with fused_down(True):
         assert not fused_lora._everywhere and fused_act.FROM_ROUTES == threshold
     assert not fused_lora._everywhere and not fused_act.placed() and fused_act.FROM_ROUTES == threshold
+
+
+def test_the_gemm_tables_show_every_part_timed_in_a_kept_run():
+    """``gate_up_gemm`` and ``down_gemm`` write one table of parts (``_lora_setup.parts_table``): every part a row of
+    the kept H100 run has, one column a batch, its errors after it."""
+    from benchmarks import down_gemm, gate_up_gemm
+
+    kept = json.loads((REPO / "benchmarks/results/lora_moe/gate-up-shrink/gate_up_gemm.json").read_text())
+    text = gate_up_gemm.markdown(kept["rows"], kept["meta"])
+    assert "| part | qwen3-30b-tp1 mixed 4096 | qwen3-30b-tp1 mixed 32768 |" in text
+    for part in ("sglang", "shrink", "own + shrink, ordered", "fast", "fused ordered"):
+        assert f"| {part} | {kept['rows'][0]['ms ' + part]:.4f} |" in text
+    assert "mixed 4096: 0.0e+00, 0.0e+00" in text  # ranks and output errors
+    row = {"shape": "s", "ranks": "r16", "tokens": 8, "tile": {}, "use_tma": False, "ms sglang": 1.0,
+           "best wide + LoRA": None, "best ordered wide + LoRA": None}
+    assert "| sglang | 1.0000 |" in down_gemm.markdown([row], kept["meta"])
