@@ -45,8 +45,8 @@ def argument_key(value):
     if value is None:
         return None
     if type(value).__name__ == "TensorDescriptor" and dataclasses.is_dataclass(value):
-        base = value.base  # Triton's own TensorDescriptor: its base tensor, then every other field as given
-        return ("descriptor", base.dtype, base.data_ptr() % 16 == 0,
+        # Triton's own TensorDescriptor: its base keyed as a tensor is, then every other field as given.
+        return ("descriptor", argument_key(value.base),
                 *(_plain(getattr(value, field.name)) for field in dataclasses.fields(value) if field.name != "base"))
     raise TypeError(f"an argument of type {type(value).__name__}")
 
