@@ -213,8 +213,8 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
 @contextlib.contextmanager
 def fused_down(on: bool, act: bool = True, how: str | None = None):
     """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``) and, with it unless
-    ``act`` is False, the gate-up delta in the activation (``fused_act``): placed where ``=fast`` places the one and
-    ``fused_act.FROM_ROUTES`` the other (whether or not ``fused_act.BY_FAST`` has ``=fast`` place it), or with
+    ``act`` is False, the gate-up delta in the activation (``fused_act``, at every batch, whether or not
+    ``fused_act.BY_FAST`` has ``=fast`` place it): the down GEMM placed where ``=fast`` places it, or with
     ``FUSED_DOWN=everywhere`` in the environment for every batch they cover (a tile ``=fast`` does not place, timed
     and scored against the float32 reference); ``FUSED_DOWN=everywhere-narrow``: every batch, each down GEMM one
     column tile a program (``moe_gemm``'s narrow kernel at SGLang's tile) whatever its K. ``how``: one of these
@@ -230,11 +230,9 @@ def fused_down(on: bool, act: bool = True, how: str | None = None):
     if on and how == "everywhere-narrow":
         narrow = ((fused_lora.MAX_RANK, 0, {}),)
         fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES = narrow, {}
-    from_routes = fused_act.FROM_ROUTES
     if on:
         fused_lora.activate(everywhere=how != "placed")
         if act:
-            fused_act.FROM_ROUTES = from_routes if how == "placed" else 0
             fused_act.activate()
     else:
         fused_lora.deactivate()
@@ -244,7 +242,6 @@ def fused_down(on: bool, act: bool = True, how: str | None = None):
         fused_lora.deactivate()
         fused_act.deactivate()
         fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES = tiles
-        fused_act.FROM_ROUTES = from_routes
 
 
 def fast_call(batch: LoRABatch):

@@ -21,8 +21,8 @@ is that function of the rows, and the offer is kept whichever runs:
   launch, the next launch in the sequence, takes the offer first (:func:`finish`) and writes the activation
   again, delta included, into its input, before anything reads it.
 
-Placed from :data:`FROM_ROUTES` routes, where :func:`activate` is called: by ``=fast`` (:data:`BY_FAST`), by the
-benchmarks and tests; elsewhere the hook's expand runs. Not under ``torch.compile``. Right:
+Placed at every batch where :func:`activate` is called: by ``=fast`` (:data:`BY_FAST`), by the benchmarks and
+tests; elsewhere the hook's expand runs. Not under ``torch.compile``. Right:
 ``tests/test_fast_lora.py``; measured: ``docs/lora_moe_floor.md``.
 """
 
@@ -41,18 +41,18 @@ from .patching import Engaged, Patch
 MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 NAME = "silu_and_mul"
 BY_FAST = True
-"""Does ``=fast`` place it? Yes, from :data:`FROM_ROUTES` routes: the whole hooked call with it was faster than with
-the hook's expand at every batch measured, and its output as close to the float32 reference (closer in 11 of 12
-batches, a tenth of a bf16 step further in one; closer than SGLang's default path in all 12). An H100, SGLang's
-runner, GLM-5.1 TP8 and Qwen3-30B-A3B tp1 with block-fp8 experts, ranks 8-64 and all 16, 256 to 8192 tokens:
-``bash benchmarks/run_lora_moe_h200.sh place-act``, ``benchmarks/results/lora_moe/place-act/``). Off: the hook's
-expand at every batch."""
-FROM_ROUTES = 2048
-"""Where the gate-up work goes into the activation: from this many routes (tokens x top-k), the smallest batch
-measured (256 tokens at top-8). The whole call against the same call with the gate-up expand in its hook, an H100:
-0.7-1.7% faster on GLM-5.1 TP8, 2.3-5.6% on Qwen3-30B-A3B tp1 (mixed ranks at 256 tokens 0.394 / 0.416 ms, rank 16
-at 8192 tokens 1.659 / 1.758); the one kernel 0.59-0.82 of the expand + SGLang's ``silu_and_mul``. Smaller batches are not
-measured: there the hook's expand runs."""
+"""Does ``=fast`` place it? Yes, at every batch: the whole hooked call with it was faster than with the hook's
+expand at every batch measured, 1 to 8192 tokens, and its output as close to the float32 reference. An H100,
+SGLang's runner, GLM-5.1 TP8 and Qwen3-30B-A3B tp1 with block-fp8 experts, ranks 8-64 and all 16
+(``bash benchmarks/run_lora_moe_h200.sh place-act``, ``benchmarks/results/lora_moe/place-act/``):
+
+- 256 to 8192 tokens: 0.7-1.7% faster on GLM-5.1, 2.3-5.6% on Qwen3 tp1 (mixed ranks at 256 tokens 0.394 / 0.416
+  ms, rank 16 at 8192 tokens 1.659 / 1.758); its error at or below the hooks' in 11 of 12 batches, a tenth of a
+  bf16 step above in one, below SGLang's default path's in all 12;
+- 1 to 128 tokens: 0.2-6% faster (Qwen3 mixed ranks at 128 tokens 0.365 / 0.387 ms; one token 0.080 / 0.081 on
+  GLM-5.1, 0.036 / 0.038 on Qwen3 at rank 16), one launch fewer;
+
+the one kernel 0.46-0.82 of the expand + SGLang's ``silu_and_mul``. Off: the hook's expand at every batch."""
 TILE = {"BLOCK_N": 64, "N_TILES": 1, "num_warps": 4, "num_stages": 2}
 """The one kernel's tile (the fastest of ``benchmarks/act_tiles.py``'s on every batch measured but ranks up to 64
 at 8192 tokens, 12% behind the best there, 8 column tiles of 32)."""
@@ -160,10 +160,10 @@ def placed() -> bool:
     return _placed
 
 
-def ready(routes: int) -> bool:
-    """Would the gate-up work of a batch of ``routes`` routes be offered to the activation now? (Placed, inside
-    a sequence whose activation is plain SiLU, the down launch's seam working, not compiling.)"""
-    if not (_placed and getattr(_local, "plain_silu", False) and routes >= FROM_ROUTES):
+def ready() -> bool:
+    """Would the gate-up work of a batch be offered to the activation now? (Placed, inside a sequence whose
+    activation is plain SiLU, the down launch's seam working, not compiling.)"""
+    if not (_placed and getattr(_local, "plain_silu", False)):
         return False
     import torch
 
@@ -246,7 +246,7 @@ PATCH = Patch("gate-up LoRA in the activation", MODULE, NAME, _make)
 
 
 def activate() -> None:
-    """Offer the gate-up work of fast batches from :data:`FROM_ROUTES` routes to the activation."""
+    """Offer the gate-up work of fast batches to the activation."""
     global _placed
     _placed = True
     PATCH.activate()

@@ -177,7 +177,7 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
                 or not fits(hidden, cache1, tokens, hidden_states.shape[1])):
             _say_once("a gate-up call whose buffers differ from its batch's")
             return sglang_hooks().after_gate_up(hidden, cache1, topk_weights, topk_ids_now)
-        if halves == 2 and len(held) == 4 and cache1.is_contiguous() and fused_act.ready(tokens * topk):
+        if halves == 2 and len(held) == 4 and cache1.is_contiguous() and fused_act.ready():
             t = t_gate_up if t_gate_up is not None and hidden is hidden_states else gate_up_ranks(hidden)
             fused_act.offer(fused_act.ActWork(cache1, t, lora_info.gate_up_lora_b_weights, routing, *held, r,
                                               tiles.gate_up))  # the activation that follows adds the delta
@@ -403,8 +403,7 @@ class PathStatus:
                 widths_by_rank.setdefault(max(rank for rank, _ in entries), []).append(str(k))
             where = ", ".join(f"up to rank {rank} at a down GEMM K of {_either(widths)}"
                               for rank, widths in sorted(widths_by_rank.items()))
-            act = (f"the gate-up expand in the SiLU activation from {fused_act.FROM_ROUTES} routes; "
-                   if fused_act.BY_FAST else "")
+            act = "the gate-up expand in the SiLU activation; " if fused_act.BY_FAST else ""
             return ("fast virtual-experts LoRA MoE path (SGLang's hooks where it does not cover a batch; "
                     f"{act}the down expand in the down GEMM for large block-fp8 batches {where})")
         if self.virtual_experts_fixed_upstream:

@@ -586,18 +586,19 @@ def test_fused_down_everywhere_narrow_places_one_column_tile_a_program_at_every_
 
 
 def test_fused_down_takes_its_placement_from_the_caller_before_the_environment(monkeypatch):
-    """``launch_check``'s fused rows: every batch (``how="everywhere"``, the gate-up delta in the activation from
-    any size) whatever ``FUSED_DOWN`` says; after it, both seams off and the threshold as it was."""
+    """``launch_check``'s fused rows: every batch (``how="everywhere"``) whatever ``FUSED_DOWN`` says; the gate-up
+    delta in the activation with the fused down GEMM unless ``act`` is off; after it, both seams off."""
     from benchmarks._lora_setup import fused_down
     from sglang_lora_tma_guard import fused_act, fused_lora
 
     monkeypatch.setenv("FUSED_DOWN", "placed")
-    threshold = fused_act.FROM_ROUTES
     with fused_down(True, how="everywhere"):
-        assert fused_lora._everywhere and fused_act.placed() and fused_act.FROM_ROUTES == 0
+        assert fused_lora._everywhere and fused_act.placed()
+    with fused_down(True, act=False):
+        assert not fused_lora._everywhere and not fused_act.placed()
     with fused_down(True):
-        assert not fused_lora._everywhere and fused_act.FROM_ROUTES == threshold
-    assert not fused_lora._everywhere and not fused_act.placed() and fused_act.FROM_ROUTES == threshold
+        assert not fused_lora._everywhere and fused_act.placed()
+    assert not fused_lora._everywhere and not fused_act.placed()
 
 
 def test_the_gemm_tables_show_every_part_timed_in_a_kept_run():
@@ -614,3 +615,18 @@ def test_the_gemm_tables_show_every_part_timed_in_a_kept_run():
     row = {"shape": "s", "ranks": "r16", "tokens": 8, "tile": {}, "use_tma": False, "ms sglang": 1.0,
            "best wide + LoRA": None, "best ordered wide + LoRA": None}
     assert "| sglang | 1.0000 |" in down_gemm.markdown([row], kept["meta"])
+
+
+@pytest.mark.parametrize(("site", "read", "expected"), [
+    ("hookact_site", "fused_act.BY_FAST", "False"),
+    ("onestream_site", "lora_path.OVERLAP", "False"),
+    (None, "fused_act.BY_FAST, lora_path.OVERLAP", "True True"),
+])
+def test_a_campaign_site_folder_switches_its_seam_off_in_every_server_process(site, read, expected):
+    """``run.sh``'s A/B servers ("hookact", "onestream"): a process that finds the folder on its path starts with that
+    one seam of ``=fast`` off (Python imports its ``sitecustomize`` at start-up); without it both stay on."""
+    path = [str(REPO / "benchmarks" / "fast_lora" / site)] if site else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(REPO)])}
+    out = subprocess.run([sys.executable, "-c", f"from sglang_lora_tma_guard import fused_act, lora_path; print({read})"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected, out.stderr

@@ -761,8 +761,7 @@ def test_checks_fast_path_line_names_the_down_gemm_widths_the_fused_launch_is_pl
         assert fast.describe().endswith(f"large block-fp8 batches {where})")
     from sglang_lora_tma_guard import fused_act
 
-    monkeypatch.setattr(fused_act, "FROM_ROUTES", 4096)
-    assert fused_act.BY_FAST and "the gate-up expand in the SiLU activation from 4096 routes;" in fast.describe()
+    assert fused_act.BY_FAST and "the gate-up expand in the SiLU activation;" in fast.describe()
     monkeypatch.setattr(fused_act, "BY_FAST", False)
     assert "activation" not in fast.describe()
 
@@ -840,9 +839,9 @@ def torch_silu_and_mul(calls):
 @pytest.mark.parametrize("activation", ["silu_and_mul", "portable"])
 def test_the_gate_up_delta_is_added_by_the_activation_in_sglangs_runner(sglang_plugins, runners, monkeypatch,
                                                                        activation):
-    """``=fast`` through ``load_plugins()``, the gate-up work offered to the activation (``fused_act``; placed from
-    ``FROM_ROUTES``, lowered here): in SGLang's runner the call is as right against the float32 reference MoE as
-    the hooks' (tolerance as above) and the hook adds nothing into the gate-up rows. Where SGLang's sequence calls
+    """``=fast`` through ``load_plugins()``, the gate-up work offered to the activation (``fused_act``): in SGLang's
+    runner the call is as right against the float32 reference MoE as the hooks' (tolerance as above) and the hook
+    adds nothing into the gate-up rows. Where SGLang's sequence calls
     its CUDA ``silu_and_mul`` (``_is_cuda``; PyTorch's math in its place here) the one kernel runs instead of it;
     where it runs its portable activation (SGLang on the CPU) the down launch writes the activation again, delta
     included. Without the guard's wrapper (which reads the call's activation) nothing is offered."""
@@ -863,7 +862,6 @@ def test_the_gate_up_delta_is_added_by_the_activation_in_sglangs_runner(sglang_p
     run, add = fused_act.ActWork.activation, fused_act.ActWork.add_in_place
     monkeypatch.setattr(fused_act.ActWork, "activation", lambda self, out: kernels.append(out.shape) or run(self, out))
     monkeypatch.setattr(fused_act.ActWork, "add_in_place", lambda self: in_place.append(1) or add(self))
-    monkeypatch.setattr(fused_act, "FROM_ROUTES", 0)
     try:
         fused_act.activate()
         assert fused_act.PATCH.status().installed == (activation == "silu_and_mul")
@@ -908,7 +906,6 @@ def test_a_gate_up_kernel_that_fails_is_served_the_hooks_way_and_turned_off(sgla
         raise RuntimeError("out of resources: shared memory")
 
     monkeypatch.setattr(lora_moe, "expand_silu_and_mul", out_of_resources)
-    monkeypatch.setattr(fused_act, "FROM_ROUTES", 0)
     try:
         fused_act.activate()
         with caplog.at_level(logging.ERROR, logger="sglang_lora_tma_guard"):
@@ -1003,4 +1000,4 @@ def test_a_gate_up_offer_left_at_the_end_of_the_sequence_or_unfit_for_the_down_i
                     fused_act.finish(torch.zeros(4, 3))  # the activation of 8-wide rows is 4 wide
         assert not fused_act._placed and not fused_act.pending(), leave
         assert any(r.levelno == logging.ERROR for r in caplog.records), leave
-    assert not fused_act.ready(1 << 20)
+    assert not fused_act.ready()

@@ -4,7 +4,8 @@
 # shapes (make_model.py), one after the other on GPU 0: no LoRA, SGLang's default LoRA MoE path
 # (SGLANG_LORA_TMA_GUARD=1), this package's fast path (=fast), and on request ("fused") the fast path
 # with the down delta in the down GEMM's epilogue (placed by fused_site/sitecustomize.py) or
-# ("onestream") the fast path with all its LoRA kernels on the MoE call's stream (onestream_site/) or ("free")
+# ("onestream") the fast path with all its LoRA kernels on the MoE call's stream (onestream_site/) or ("hookact")
+# the fast path with the gate-up expand in its hook, not in the activation (hookact_site/) or ("free")
 # a ceiling: SGLang's LoRA machinery with MoE LoRA hooks that do nothing (free_site/; not scored). Each:
 # correctness requests, decode and prefill throughput, a profile of a prefill wave and of steady
 # decoding (client.py run, load, profile; the profile summarized by profile.py); on request (STEPS) teacher-forced
@@ -82,6 +83,7 @@ for name in "${names[@]}"; do
     fast) serve fast 32002 fast yes ;;
     fused) serve fused 32004 fast yes PYTHONPATH="$PWD/benchmarks/fast_lora/fused_site:$PYTHONPATH" ;;
     onestream) serve onestream 32005 fast yes PYTHONPATH="$PWD/benchmarks/fast_lora/onestream_site:$PYTHONPATH" ;;
+    hookact) serve hookact 32007 fast yes PYTHONPATH="$PWD/benchmarks/fast_lora/hookact_site:$PYTHONPATH" ;;
     free) serve free 32006 fast yes PYTHONPATH="$PWD/benchmarks/fast_lora/free_site:$PYTHONPATH" ;;
     nolora) serve nolora 32003 1 no ;;
     score)
@@ -97,6 +99,6 @@ for name in "${names[@]}"; do
         python3 -m benchmarks.fast_lora.client compare "$keep/run-default.json" "$keep/run-fast.json" > "$OUT/verdict.json"
         head -8 "$OUT/verdict.json"
       fi ;;
-    *) echo "unknown name $name (default, fast, fused, onestream, free, nolora, score)"; exit 2 ;;
+    *) echo "unknown name $name (default, fast, fused, onestream, hookact, free, nolora, score)"; exit 2 ;;
   esac
 done
