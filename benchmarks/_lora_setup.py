@@ -172,7 +172,7 @@ def add_rank_sets_option(parser) -> None:
 
 def parts_table(rows, meta, what: str) -> list[str]:
     """The markdown lines of a table of parts (rows of ``ms PART``, one column a batch), headed by the run's
-    versions and GPU and ``what`` was timed."""
+    versions and GPU and ``what`` was timed, then SGLang's tile of each batch (``tile``, ``use_tma``)."""
     from harness import tables
 
     parts = [k.removeprefix("ms ") for k in rows[0] if k.startswith("ms ")]
@@ -181,6 +181,8 @@ def parts_table(rows, meta, what: str) -> list[str]:
         "",
         tables.markdown(["part", *(f"{r['shape']} {r['ranks']} {r['tokens']}" for r in rows)],
                         ([p, *(f"{r[f'ms {p}']:.4f}" if f"ms {p}" in r else "–" for r in rows)] for p in parts)),
+        "",
+        "SGLang's tile: " + "; ".join(f"{r['tokens']} tokens {r['tile']}, TMA {r['use_tma']}" for r in rows),
     ]
 
 

@@ -194,8 +194,6 @@ def markdown(rows, meta) -> str:
                      "CUDA-graph replay, best of 5 x 50 (interleaved). fast: sglang + hook; fused: quantize + shrink "
                      "+ the best wide + LoRA (fused ordered: + order by adapter)."),
         "",
-        "SGLang's tile: " + "; ".join(f"{r['tokens']} tokens {r['tile']}, TMA {r['use_tma']}" for r in rows),
-        "",
         "Best wide + LoRA: " + "; ".join(f"{r['ranks']} {r['tokens']}: {r['best wide + LoRA']}" for r in rows),
         "",
         "Best over SGLang's list ordered: " + "; ".join(

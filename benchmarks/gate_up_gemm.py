@@ -136,8 +136,6 @@ def markdown(rows, meta) -> str:
         "",
         "Errors (ranks against the hook's shrink, relative to the largest; output against SGLang's GEMM): "
         + "; ".join(f"{r['ranks']} {r['tokens']}: {r['ranks error']:.1e}, {r['output error']:.1e}" for r in rows),
-        "",
-        "SGLang's tile: " + "; ".join(f"{r['tokens']} tokens {r['tile']}, TMA {r['use_tma']}" for r in rows),
     ]) + "\n"
 
 
