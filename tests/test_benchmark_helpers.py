@@ -630,3 +630,30 @@ def test_a_campaign_site_folder_switches_its_seam_off_in_every_server_process(si
     out = subprocess.run([sys.executable, "-c", f"from sglang_lora_tma_guard import fused_act, lora_path; print({read})"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected, out.stderr
+
+
+def test_two_servers_forced_errors_are_compared_prompt_by_prompt(tmp_path, capsys):
+    """The prompts' own spread cancels in the difference: a path a constant 0.01 nats further from the reference
+    on every prompt is 0.01 ± 0 off, however far the prompts lie apart; a noisy one is off by its mean, with the
+    standard error of the differences."""
+    from benchmarks.serving.paired import main as paired_main
+    from benchmarks.serving.paired import paired
+
+    prompts = [0.7, 1.5, 0.9, 1.2]
+    noise = [0.03, -0.01, 0.02, -0.04]
+    scores = {"default forced": {"base": prompts, "a1": prompts},
+              "fast forced": {"base": prompts, "a1": [p + 0.01 for p in prompts]},
+              "fused forced": {"base": prompts, "a1": [p + e for p, e in zip(prompts, noise)]}}
+    mean, se, n = paired(scores, "fast", "default")["a1"]
+    assert n == 4 and mean == pytest.approx(0.01) and se == pytest.approx(0.0, abs=1e-12)
+    mean, se, _ = paired(scores, "fused", "default")["a1"]
+    assert mean == pytest.approx(0.0) and se == pytest.approx(0.0158114, rel=1e-5)  # stdev 0.0316 / 2
+    assert paired(scores, "fast", "default")["base"][:2] == (0.0, 0.0)
+    with pytest.raises(ValueError, match="a1: 3 prompts in fast, 4 in default"):
+        paired({**scores, "fast forced": {"a1": prompts[:3]}}, "fast", "default")
+    path = tmp_path / "scores.json"
+    path.write_text(json.dumps(scores))
+    assert paired_main([str(path), "fast", "default", "fused", "default"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "fast - default (nats, prompt by prompt, 4 prompts a kind): base +0.0000 ± 0.0000, a1 +0.0100 ± 0.0000"
+    assert lines[1].startswith("fused - default") and lines[1].endswith("a1 +0.0000 ± 0.0158")

@@ -11,7 +11,8 @@
 # decoding (client.py run, load, profile; the profile summarized by profile.py); on request (STEPS) teacher-forced
 # prefills (client.py forced). "score": every run so
 # far (greedy and teacher-forced, with the rotated control) scored against transformers' fp32 model with each
-# adapter merged (benchmarks/serving/reference.py), then the fast run compared with the default one.
+# adapter merged (benchmarks/serving/reference.py), then the fast run compared with the default one, and each
+# teacher-forced LoRA run with the default one prompt by prompt (benchmarks/serving/paired.py, into paired.txt).
 #   bash benchmarks/fast_lora/run.sh [names...]    (default: default fast nolora score); results under ${OUT:-results}/
 # LAYERS (default 3): the model's depth; 16 makes a decode step GPU-bound. DTYPE=float16|bfloat16 (default
 # bfloat16): the servers' --dtype. STEPS (default "run load profile"; also "forced", and "single": decode at 1
@@ -95,6 +96,12 @@ for name in "${names[@]}"; do
       [ "${FP8:-0}" = 1 ] && [ -f "$keep/run-nolora.json" ] && calibrate=(--calibrate nolora)
       python3 -m benchmarks.serving.reference "$reference" "$lora" "${runs[@]}" "${calibrate[@]}" --rotated \
         --out "$OUT/verdict-reference.txt" --json "$OUT/scores.json"
+      pairs=()  # each teacher-forced LoRA run against the default one's, prompt by prompt
+      for run in "$keep"/forced-*.json; do
+        run="${run##*/forced-}" run="${run%.json}"
+        case "$run" in default|nolora|free|'*') ;; *) [ -f "$keep/forced-default.json" ] && pairs+=("$run" default) ;; esac
+      done
+      [ "${#pairs[@]}" = 0 ] || python3 -m benchmarks.serving.paired "$OUT/scores.json" "${pairs[@]}" | tee "$OUT/paired.txt"
       if [ -f "$keep/run-default.json" ] && [ -f "$keep/run-fast.json" ]; then
         python3 -m benchmarks.fast_lora.client compare "$keep/run-default.json" "$keep/run-fast.json" > "$OUT/verdict.json"
         head -8 "$OUT/verdict.json"
