@@ -111,8 +111,8 @@ def traffic(info, ids, hidden_width: int, inter: int) -> dict:
 
 def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: int, use_tma: bool) -> dict:
     """The down GEMM alone: SGLang's launcher, and this package's without and with the LoRA epilogue (over the
-    route list ordered by adapter), one column tile a program and (where K is short enough) wide, as
-    ``fused_lora`` launches it."""
+    route list ordered by adapter, at ``fused_lora.narrow_tile``), one column tile a program and (where K is short
+    enough) wide, as ``fused_lora`` launches it."""
     import inspect
 
     import triton.language as tl
@@ -134,8 +134,11 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
     lora = moe_gemm.LoRAEpilogue(t_dn, info.down_lora_b_weights, slots, enabled, ranks,
                                  info.down_lora_b_weights.shape[1], max_rank)
 
+    shared = fused_lora.shared_bytes_of(act.device)
     wide_tile, n_tiles = fused_lora.wide_tile(cfg, group_k, act.shape[1], max_rank, problem.w2.element_size(),
-                                              fused_lora.shared_bytes_of(act.device))  # as the launch picks it
+                                              shared)  # as the launch picks it
+    sglang_tile = moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k)
+    narrow_tile = fused_lora.narrow_tile(sglang_tile, max_rank, problem.w2.element_size(), shared)  # room for the epilogue
     ordered = moe_gemm.order_by_adapter(sorted_ids, expert_ids, post, slots, ids.shape[1], cfg["BLOCK_SIZE_M"],
                                         ranks.numel())
 
@@ -144,7 +147,7 @@ def down_parts(problem, info, act, c3, t_dn, slots, ranks, enabled, max_rank: in
                           bias=None, topk_weights=w.view(-1), sorted_ids=sorted_ids if epilogue is None else ordered,
                           expert_ids=expert_ids,
                           num_post_padded=post, routes_per_a_row=1, mul_routed_weight=True,
-                          tile=wide_tile if wide else moe_gemm.tile(cfg, cfg["BLOCK_SIZE_M"], group_k),
+                          tile=wide_tile if wide else sglang_tile if epilogue is None else narrow_tile,
                           scale_block_n=group_n, topk=ids.shape[1], lora=epilogue, weights_by_tma=tma,
                           n_tiles=n_tiles if wide else 0)
 
@@ -293,8 +296,8 @@ def markdown(rows, meta) -> str:
         "",
         "The fused down GEMM's parts (ms): SGLang's down GEMM; this package's fp8 quantization of its input, its "
         "down GEMM without LoRA (weights by plain loads; by TMA as SGLang takes them) and with the LoRA epilogue, "
-        "over SGLang's route list (with the epilogue, each expert's routes ordered by adapter, as fused_lora "
-        "launches it; the ordering not timed here); then the wide GEMM (several column tiles a program, the tile fused_lora "
+        "over SGLang's route list (with the epilogue, each expert's routes ordered by adapter and SGLang's tile with "
+        "fewer stages where the epilogue would not fit, as fused_lora launches it; the ordering not timed here); then the wide GEMM (several column tiles a program, the tile fused_lora "
         "launches) without and with the epilogue, where K is short enough.",
         "",
         tables.markdown(["shape", "ranks", "tokens", "SGLang down", "quantize", "own down, no TMA", "own down",

@@ -154,18 +154,19 @@ HOPPER_SHARED_BYTES = 232448
 """Shared memory a program may use on an H100 or H200 (``shared_memory_per_block_optin``)."""
 
 
-def down_as_placed(k: int, max_rank: int, block_m: int = 64, fp8: bool = True) -> dict:
+def down_as_placed(k: int, max_rank: int, block_m: int = 64, fp8: bool = True, block_n: int = 128,
+                   num_stages: int = 3, num_warps: int = 4) -> dict:
     """The fused down GEMM at the tile ``fused_lora.wide_tile`` picks on an H100/H200 from a tuned config of
-    SGLang's (``BLOCK_SIZE_M`` ``block_m``, 128-wide columns; K tiles of 128, one fp8 group, or of 64 with bf16
-    experts) for a down GEMM of K ``k`` (a shard's intermediate width) and adapters up to ``max_rank``: the
-    compiled kernel (the wide one, or the narrow one where the tile has no column tiles a program), with
-    ``estimate`` (``moe_gemm.wide_shared_bytes``, the narrow kernel's as a K loop's: a stage one K tile), the
-    ``tile`` and ``n_tiles``."""
+    SGLang's (``BLOCK_SIZE_M`` ``block_m``, ``BLOCK_SIZE_N`` ``block_n``, its stages and warps; K tiles of 128, one
+    fp8 group, or of 64 with bf16 experts) for a down GEMM of K ``k`` (a shard's intermediate width) and adapters up
+    to ``max_rank``: the compiled kernel (the wide one, or the narrow one where the tile has no column tiles a
+    program), with ``estimate`` (``moe_gemm.wide_shared_bytes``, the narrow kernel's as a K loop's: a stage one K
+    tile), the ``tile`` and ``n_tiles``."""
     from sglang_lora_tma_guard import fused_lora, moe_gemm
 
     block_k, weight_bytes = (128, 1) if fp8 else (64, 2)
-    config = {"BLOCK_SIZE_M": block_m, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": block_k, "GROUP_SIZE_M": 1,
-              "num_warps": 4, "num_stages": 3}
+    config = {"BLOCK_SIZE_M": block_m, "BLOCK_SIZE_N": block_n, "BLOCK_SIZE_K": block_k, "GROUP_SIZE_M": 1,
+              "num_warps": num_warps, "num_stages": num_stages}
     tile, n_tiles = fused_lora.wide_tile(config, 128 if fp8 else None, k, max_rank, weight_bytes, HOPPER_SHARED_BYTES)
     k_tiles = moe_gemm.cdiv(k, block_k)
     shape = dict(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=block_k, BLOCK_R=moe_gemm.rank_tile(max_rank),
@@ -202,6 +203,11 @@ CONFIGURATIONS = {
     **{f"fused down GEMM placed, bf16, K {k}, rank {r}, BLOCK_M {m}": (
         lambda k=k, r=r, m=m: down_as_placed(k, r, m, fp8=False))
        for k, r, m in ((256, 16, 64), (256, 64, 128), (384, 32, 64), (192, 16, 64))},
+    # SGLang's bf16 tile of Qwen3-30B-A3B tp 1 from 1024 tokens (E=128,N=768 on an H100 and an H200: 128 x 256 x 64,
+    # 4 stages, 8 warps), 262,144 bytes with a rank-64 epilogue as SGLang gives it (fused_lora.narrow_tile).
+    **{f"fused down GEMM placed, bf16, K 768, rank {r}, BLOCK_M {m}, SGLang's large tile": (
+        lambda r=r, m=m: down_as_placed(768, r, m, fp8=False, block_n=256, num_stages=4, num_warps=8))
+       for r, m in ((16, 64), (32, 128), (64, 128))},
     # The other tuned decode tiles of Qwen3-30B-A3B tp 1 (512 pairs; "rank tiles of 16" is the gate-up expand's).
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
                                          num_warps=4),

@@ -214,23 +214,43 @@ def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_b
     ``WIDE_K_TILES`` tiles), else SGLang's and 0; 0 too where the table places the narrow GEMM.
     ``shared_bytes``: what a program may use on the GPU (weights of ``weight_bytes`` an element). Where two pipeline
     stages of every K tile would not fit, the K steps run as a loop at SGLang's stages, each one K tile
-    (``K_LOOP``); where even that would not, unrolled in one stage."""
+    (``K_LOOP``); where even that would not, unrolled in one stage. The narrow GEMM's tile as :func:`narrow_tile`
+    fits it."""
     from .moe_gemm import WIDE_K_TILES, cdiv, tile, wide_shared_bytes
 
     gemm_tile = tile(config, config["BLOCK_SIZE_M"], group_k)
     k_tiles = cdiv(k, gemm_tile["BLOCK_K"])
     if k_tiles > WIDE_K_TILES:
-        return gemm_tile, 0
+        return narrow_tile(gemm_tile, max_rank, weight_bytes, shared_bytes), 0
     tiles = WIDE_TILES_BY_K_TILES.get(k_tiles, WIDE_TILES)
     n_tiles, change = next((n, change) for rank, n, change in tiles if max_rank <= rank)
     wide = {**gemm_tile, **change}
     if not n_tiles:  # measured faster one column tile a program: SGLang's pipeline, no K tile held whole
-        return wide, 0
+        return narrow_tile(wide, max_rank, weight_bytes, shared_bytes), 0
     if shared_bytes is not None and wide_shared_bytes(wide, k_tiles, max_rank, weight_bytes) > shared_bytes:
         looped = {**wide, "K_LOOP": 1, "num_stages": gemm_tile["num_stages"]}
         fits = wide_shared_bytes(looped, k_tiles, max_rank, weight_bytes) <= shared_bytes
         wide = looped if fits else {**wide, "num_stages": 1}
     return wide, n_tiles
+
+
+def narrow_tile(gemm_tile: dict, max_rank: int, weight_bytes: int, shared_bytes: int | None) -> dict:
+    """SGLang's tile for the narrow GEMM (one column tile a program), with fewer pipeline stages (down to two),
+    then narrower columns, where the LoRA epilogue's operands on top of SGLang's pipeline would not fit
+    ``shared_bytes``. SGLang tunes the tile for its GEMM alone: its bf16 down GEMM of Qwen3-30B-A3B tp 1 from 1024
+    tokens (128 x 256 x 64, four stages, ``E=128,N=768``) takes 196,608 bytes, and 262,144 with a rank-64 epilogue
+    (Triton's OutOfResources at the launch, an H100)."""
+    from .moe_gemm import wide_shared_bytes
+
+    fitted = dict(gemm_tile)
+    while shared_bytes is not None and wide_shared_bytes({**fitted, "K_LOOP": 1}, 1, max_rank, weight_bytes) > shared_bytes:
+        if fitted["num_stages"] > 2:
+            fitted["num_stages"] -= 1
+        elif fitted["BLOCK_N"] > 32:
+            fitted["BLOCK_N"] //= 2
+        else:
+            break  # nothing left to narrow: the launch says so, and the hook path takes the shape (``_failed``)
+    return fitted
 
 
 def shared_bytes_of(device) -> int | None:

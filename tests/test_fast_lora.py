@@ -492,6 +492,42 @@ def test_the_fused_down_gemm_takes_the_tile_measured_for_its_k_tiles_and_rank(k,
     assert (tile["BLOCK_M"], tile["BLOCK_K"]) == (64, 128)
 
 
+def test_the_narrow_gemm_takes_fewer_stages_then_columns_where_sglangs_tile_leaves_no_room_for_the_epilogue():
+    """SGLang tunes a tile for its GEMM alone. Its bf16 down tile of Qwen3-30B-A3B tp 1 from 1024 tokens (128 x 256 x
+    64, four stages) with a rank-64 epilogue asked for 262,144 bytes and was refused at the launch on an H100; the
+    narrow GEMM drops stages down to two, then halves its columns, until the estimate fits (what Triton then
+    allocates: ``test_kernel_codegen``). Every block-fp8 tile the installed SGLang ships for an H100 or H200 (what
+    ``=fast`` places the fused launch over) fits as it is, up to rank 64: none is changed from what was measured."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from harness.ptx import HOPPER_SHARED_BYTES
+    from sglang_lora_tma_guard import fused_lora
+
+    large = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 8, "num_stages": 4}
+    assert fused_lora.narrow_tile(large, 16, 2, HOPPER_SHARED_BYTES) == large
+    assert fused_lora.narrow_tile(large, 64, 2, HOPPER_SHARED_BYTES) == {**large, "num_stages": 2}
+    assert fused_lora.narrow_tile(large, 64, 2, 150_000) == {**large, "num_stages": 2, "BLOCK_N": 128}
+    assert fused_lora.narrow_tile(large, 64, 2, None) == large  # off the GPU: nothing to fit
+    assert fused_lora.narrow_tile(large, 64, 2, 1000)["BLOCK_N"] == 32  # the least it narrows to; the launch then says
+    sglang_config = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "num_warps": 8, "num_stages": 4}
+    assert fused_lora.wide_tile(sglang_config, None, 768, 64, 2, HOPPER_SHARED_BYTES) == ({**large, "num_stages": 2}, 0)
+
+    configs = Path(importlib.util.find_spec("sglang").submodule_search_locations[0],
+                   "srt/layers/moe/moe_runner/triton_utils/configs")
+    seen, files = 0, sorted(configs.glob("triton_*/E=*,N=*,device_name=NVIDIA_H[12]00*dtype=fp8_w8a8,block_shape=*.json"))
+    for path in files:
+        k = int(path.name.split(",N=")[1].split(",")[0])  # the down GEMM's K: a shard's intermediate width
+        for config in json.loads(path.read_text()).values():
+            for max_rank in (16, 32, 64):
+                tile, n_tiles = fused_lora.wide_tile(config, 128, k, max_rank, 1, HOPPER_SHARED_BYTES)
+                if not n_tiles:
+                    seen += 1
+                    assert (tile["BLOCK_N"], tile["num_stages"]) == (config["BLOCK_SIZE_N"], config["num_stages"]), path
+    assert len(files) >= 20 and seen >= 20, (len(files), seen)  # 0.5.16: 27 files, 54 narrow (tile, rank) pairs
+
+
 def test_a_fused_launch_that_fails_is_served_unfused_and_not_tried_again_for_its_shape(sglang_plugins, runners,
                                                                                          monkeypatch, caplog):
     """A fused down launch that raises (in a real server: Triton's OutOfResources for a tile over a Hopper

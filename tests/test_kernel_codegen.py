@@ -86,10 +86,12 @@ def test_the_fused_down_gemm_as_placed_fits_a_hoppers_shared_memory(placed):
     BLOCK_SIZE_M of 64), ``fused_lora.wide_tile`` runs the K steps as the pipelined loop, a stage one K tile; the
     estimate it decides by is at least what Triton allocates, over block-fp8 experts and over bf16 ones (4 KB short of
     it at K 256, rank 16). As placed: the wide kernel unrolled at two K tiles, its K loop at three up to rank 16, the
-    narrow kernel (one column tile a program, SGLang's pipeline) at Qwen3-30B-A3B tp 1's six."""
+    narrow kernel (one column tile a program, SGLang's pipeline) at Qwen3-30B-A3B tp 1's six; with fewer stages where
+    SGLang's tile leaves no room for the epilogue (its bf16 128 x 256 tile of four stages: 262,144 bytes at rank 64,
+    the launch refused on an H100; ``fused_lora.narrow_tile``)."""
     from harness.ptx import HOPPER_SHARED_BYTES
 
-    assert len(placed) >= 13
+    assert len(placed) >= 16
     kinds = set()
     for name, built in placed.items():
         assert built["shared_bytes"] <= built["estimate"], (name, built["shared_bytes"], built["estimate"])
