@@ -188,7 +188,11 @@ def parts_table(rows, meta, what: str) -> list[str]:
 
 def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
     """Every batch of ``args`` through ``measure(capture_mode, name, shape, ranks, tokens, weights)``, the
-    rows written to ``STEM.json`` and ``STEM.md`` under ``--out`` after each (a run cut short keeps them)."""
+    rows written to ``STEM.json`` and ``STEM.md`` under ``--out`` after each (a run cut short keeps them). A batch
+    that raises (a kernel Triton refuses to launch: a tile over the GPU's shared memory) is said with its traceback,
+    kept under ``failed`` in the json and named under the table, and the next batch runs; the exit status is then 1."""
+    import traceback
+
     import sglang_lora_tma_guard as guard
     from benchmarks._bench import prepare_sglang, results_dir, run_meta
 
@@ -199,17 +203,30 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
     from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
     meta = run_meta(**meta_extra, base=base)
-    rows = []
+    rows, failed = [], []
+
+    def table() -> str:
+        lines = [markdown(rows, meta)] if rows else []
+        lines += [f"Not measured: {f['shape']} {f['ranks']} {f['tokens']} tokens ({f['error']})" for f in failed]
+        return "\n\n".join(lines)
+
     for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens, getattr(args, "rank_sets", None),
                                                             base):
         t0 = time.perf_counter()
-        rows.append({**measure(model_capture_mode, name, shape, ranks_name, tokens, weights), "base": base})
-        print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
-        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (out / f"{stem}.md").write_text(markdown(rows, meta))
+        try:
+            rows.append({**measure(model_capture_mode, name, shape, ranks_name, tokens, weights), "base": base})
+        except Exception as error:
+            traceback.print_exc()
+            failed.append({"shape": name, "ranks": ranks_name, "tokens": tokens, "base": base,
+                           "error": f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"})
+            print(f"# not measured: {json.dumps(failed[-1])}", flush=True)
+        else:
+            print(json.dumps(rows[-1]) + f"  # {time.perf_counter() - t0:.1f} s", flush=True)
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "failed": failed}, indent=1))
+        (out / f"{stem}.md").write_text(table())
     guard.deactivate()
-    print(markdown(rows, meta))
-    return 0
+    print(table())
+    return 1 if failed else 0
 
 
 @contextlib.contextmanager

@@ -297,8 +297,9 @@ def markdown(rows, meta) -> str:
         "The fused down GEMM's parts (ms): SGLang's down GEMM; this package's fp8 quantization of its input, its "
         "down GEMM without LoRA (weights by plain loads; by TMA as SGLang takes them) and with the LoRA epilogue, "
         "over SGLang's route list (with the epilogue, each expert's routes ordered by adapter and SGLang's tile with "
-        "fewer stages where the epilogue would not fit, as fused_lora launches it; the ordering not timed here); then the wide GEMM (several column tiles a program, the tile fused_lora "
-        "launches) without and with the epilogue, where K is short enough.",
+        "fewer stages where the epilogue would not fit, as fused_lora launches it; the ordering not timed here); "
+        "then the wide GEMM (several column tiles a program, the tile fused_lora launches) without and with the "
+        "epilogue, where K is short enough.",
         "",
         tables.markdown(["shape", "ranks", "tokens", "SGLang down", "quantize", "own down, no TMA", "own down",
                          "own down + LoRA", "wide down", "wide down + LoRA", "fast: expand down"],

@@ -657,3 +657,44 @@ def test_two_servers_forced_errors_are_compared_prompt_by_prompt(tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "fast - default (nats, prompt by prompt, 4 prompts a kind): base +0.0000 ± 0.0000, a1 +0.0100 ± 0.0000"
     assert lines[1].startswith("fused - default") and lines[1].endswith("a1 +0.0000 ± 0.0158")
+
+
+def test_a_batch_that_cannot_launch_is_named_and_the_next_one_runs(tmp_path, monkeypatch, capsys):
+    """A kernel Triton refuses at its launch (a tile over a Hopper program's shared memory) stopped a whole kernel
+    table on an H100 at its fifth batch, the rows after it never measured: now that batch is named, under the table
+    and in the json, and the rest run; the exit status says one failed."""
+    from types import SimpleNamespace
+
+    from triton.runtime.errors import OutOfResources
+
+    from benchmarks import _bench, _lora_setup
+
+    monkeypatch.setattr(_bench, "prepare_sglang", lambda: None)
+    monkeypatch.setattr(_bench, "run_meta", lambda **extra: {"gpu": "none", **extra})
+    monkeypatch.setattr(_lora_setup, "batches", lambda shapes, tokens, rank_sets, base: (
+        ("qwen3-30b-tp1", None, ranks, n, None) for ranks in ("r16", "mixed") for n in tokens))
+
+    def measure(capture_mode, name, shape, ranks, tokens, weights):
+        if (ranks, tokens) == ("mixed", 2048):
+            raise OutOfResources(262144, 232448, "shared memory")
+        return {"shape": name, "ranks": ranks, "tokens": tokens, "ms": tokens / 1000}
+
+    def markdown(rows, meta):
+        return "\n".join(f"| {r['ranks']} | {r['tokens']} | {r['ms']} |" for r in rows)
+
+    args = SimpleNamespace(shapes=["qwen3-30b-tp1"], tokens=[1024, 2048, 8192], rank_sets=None, base="bf16",
+                           out=tmp_path)
+    assert _lora_setup.run_batches(args, "table", measure, markdown) == 1
+    kept = json.loads((tmp_path / "table.json").read_text())
+    assert [(r["ranks"], r["tokens"]) for r in kept["rows"]] == [("r16", 1024), ("r16", 2048), ("r16", 8192),
+                                                                 ("mixed", 1024), ("mixed", 8192)]
+    assert kept["failed"] == [{"shape": "qwen3-30b-tp1", "ranks": "mixed", "tokens": 2048, "base": "bf16",
+                               "error": "OutOfResources: out of resource: shared memory, Required: 262144, "
+                                        "Hardware limit: 232448. Reducing block sizes or `num_stages` may help."}]
+    text = (tmp_path / "table.md").read_text()
+    assert text.splitlines()[-1] == ("Not measured: qwen3-30b-tp1 mixed 2048 tokens (OutOfResources: out of resource: "
+                                     "shared memory, Required: 262144, Hardware limit: 232448. Reducing block sizes "
+                                     "or `num_stages` may help.)")
+    assert "| mixed | 8192 | 8.192 |" in text
+    assert "Traceback" in capsys.readouterr().err
+    assert _lora_setup.run_batches(SimpleNamespace(**{**vars(args), "tokens": [1024]}), "table", measure, markdown) == 0
