@@ -203,8 +203,8 @@ CONFIGURATIONS = {
     **{f"fused down GEMM placed, bf16, K {k}, rank {r}, BLOCK_M {m}": (
         lambda k=k, r=r, m=m: down_as_placed(k, r, m, fp8=False))
        for k, r, m in ((256, 16, 64), (256, 64, 128), (384, 32, 64), (192, 16, 64))},
-    # SGLang's bf16 tile of Qwen3-30B-A3B tp 1 from 1024 tokens (E=128,N=768 on an H100 and an H200: 128 x 256 x 64,
-    # 4 stages, 8 warps), 262,144 bytes with a rank-64 epilogue as SGLang gives it (fused_lora.narrow_tile).
+    # SGLang's bf16 tile of Qwen3-30B-A3B tp 1 (E=128,N=768; 128 x 256 x 64, 4 stages, 8 warps, from 1536 tokens on
+    # an H100, 1024 on an H200): 262,144 bytes with a rank-64 epilogue as SGLang gives it (fused_lora.narrow_tile).
     **{f"fused down GEMM placed, bf16, K 768, rank {r}, BLOCK_M {m}, SGLang's large tile": (
         lambda r=r, m=m: down_as_placed(768, r, m, fp8=False, block_n=256, num_stages=4, num_warps=8))
        for r, m in ((16, 64), (32, 128), (64, 128))},

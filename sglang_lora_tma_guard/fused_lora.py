@@ -238,9 +238,9 @@ def wide_tile(config: dict, group_k: int | None, k: int, max_rank: int, weight_b
 def narrow_tile(gemm_tile: dict, max_rank: int, weight_bytes: int, shared_bytes: int | None) -> dict:
     """SGLang's tile for the narrow GEMM (one column tile a program), with fewer pipeline stages (down to two),
     then narrower columns, where the LoRA epilogue's operands on top of SGLang's pipeline would not fit
-    ``shared_bytes``. SGLang tunes the tile for its GEMM alone: its bf16 down GEMM of Qwen3-30B-A3B tp 1 from 1024
-    tokens (128 x 256 x 64, four stages, ``E=128,N=768``) takes 196,608 bytes, and 262,144 with a rank-64 epilogue
-    (Triton's OutOfResources at the launch, an H100)."""
+    ``shared_bytes``. SGLang tunes the tile for its GEMM alone: its bf16 down GEMM of Qwen3-30B-A3B tp 1
+    (``E=128,N=768``; 128 x 256 x 64, four stages, from 1536 tokens on an H100, 1024 on an H200) takes 196,608
+    bytes, and 262,144 with a rank-64 epilogue (Triton's OutOfResources at the launch, an H100)."""
     from .moe_gemm import wide_shared_bytes
 
     fitted = dict(gemm_tile)

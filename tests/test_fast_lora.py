@@ -493,8 +493,8 @@ def test_the_fused_down_gemm_takes_the_tile_measured_for_its_k_tiles_and_rank(k,
 
 
 def test_the_narrow_gemm_takes_fewer_stages_then_columns_where_sglangs_tile_leaves_no_room_for_the_epilogue():
-    """SGLang tunes a tile for its GEMM alone. Its bf16 down tile of Qwen3-30B-A3B tp 1 from 1024 tokens (128 x 256 x
-    64, four stages) with a rank-64 epilogue asked for 262,144 bytes and was refused at the launch on an H100; the
+    """SGLang tunes a tile for its GEMM alone. Its bf16 down tile of Qwen3-30B-A3B tp 1 from 1536 tokens on an H100
+    (128 x 256 x 64, four stages) with a rank-64 epilogue asked for 262,144 bytes and was refused at the launch; the
     narrow GEMM drops stages down to two, then halves its columns, until the estimate fits (what Triton then
     allocates: ``test_kernel_codegen``). Every block-fp8 tile the installed SGLang ships for an H100 or H200 (what
     ``=fast`` places the fused launch over) fits as it is, up to rank 64: none is changed from what was measured."""
