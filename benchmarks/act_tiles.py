@@ -23,14 +23,17 @@ from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
 from harness import tables
 from sglang_lora_tma_guard import fused_act, lora_moe, lora_path, tuning
 
-TILES = [(bn, n, w, 2, r) for bn, n in ((32, 8), (64, 1), (64, 6), (128, 1)) for w in (4, 8) for r in (None, 16)]
-"""(BLOCK_N, column tiles a program, warps, stages, BLOCK_R: None for every rank in one tile): the best of a first
-sweep (``benchmarks/results/lora_moe/act/``: 4, 8 column tiles of 32; 1, 2, 4, 6 of 64; 1, 2, 3 of 128; stages 2
-and 3, the same within 1%), with and without rank tiles of 16."""
+TILES = ([(bn, n, w, 2, None, major) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6)) for w in (4, 8)
+          for major in (False, True)]
+         + [(bn, n, 4, 2, 16, major) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6)) for major in (False, True)])
+"""(BLOCK_N, column tiles a program, warps, stages, BLOCK_R: None for every rank in one tile, BLOCK_MAJOR: a block's
+column groups as neighbouring programs): the best of a first sweep (``benchmarks/results/lora_moe/act/``: 4, 8 column
+tiles of 32; 1, 2, 4, 6 of 64; 1, 2, 3 of 128; stages 2 and 3, the same within 1%), one group of the whole width
+(12 tiles of 64, 6 of 128: Qwen3-30B-A3B at tp 1), in both program orders, with and without rank tiles of 16."""
 
 
 def label(tile) -> str:
-    return "N{}x{} w{} s{}".format(*tile[:4]) + (f" R{tile[4]}" if tile[4] else "")
+    return "N{}x{} w{} s{}".format(*tile[:4]) + (f" R{tile[4]}" if tile[4] else "") + (" B" if tile[5] else "")
 
 
 def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES) -> dict:
@@ -57,10 +60,11 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES)
         return lambda: lora_moe.expand_silu_and_mul(out, rows, t, gb, routing, topk_ids=ids, token_lora=slots,
                                                     enabled=enabled, ranks=ranks, max_rank=r, tile=tile)
 
-    variants = {"both": both, "shipped": one(fused_act.TILE)}
+    variants = {"both": both, "shipped": one(fused_act.TILE), "silu": lambda: fused_moe.silu_and_mul(rows, out)}
     for tile in tiles:
-        bn, n, w, s, block_r = tile
-        variants[label(tile)] = one({"BLOCK_N": bn, "N_TILES": n, "num_warps": w, "num_stages": s, "BLOCK_R": block_r})
+        bn, n, w, s, block_r, major = tile
+        variants[label(tile)] = one({"BLOCK_N": bn, "N_TILES": n, "num_warps": w, "num_stages": s, "BLOCK_R": block_r,
+                                     "BLOCK_MAJOR": major})
     # Right on this GPU: each variant's output from fixed rows against the float32 activation of the rows plus the
     # expand's delta added in float32 (the same bf16 ranks and B), as a share of the largest value.
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -72,6 +76,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES)
     expected = torch.nn.functional.silu(exact[:, :half]) * exact[:, half:]
     errors = {}
     for key, fn in variants.items():
+        if key == "silu":  # no delta: timed only
+            continue
         rows.copy_(start)
         out.fill_(float("nan"))
         fn()
@@ -84,7 +90,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES)
             except Exception as error:  # a tile past the GPU's resources
                 print(f"{key}: {type(error).__name__}: {str(error)[:120]}", flush=True)
     times = replay_times(graphs)
-    best = min((k for k in times if k not in ("both",)), key=times.get)
+    best = min((k for k in times if k not in ("both", "silu")), key=times.get)
     return {"shape": name, "ranks": ranks_name, "tokens": tokens, "block_m": plan.block_m, "ms": times, "best": best,
             "err": errors}
 
@@ -94,11 +100,14 @@ def markdown(rows, meta) -> str:
         f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. ms per call, CUDA-graph "
         "replay, best of 5 x 50 (interleaved). both: the gate-up expand (shipped tile) + SGLang's silu_and_mul; "
         "one kernel: lora_moe.expand_silu_and_mul at its shipped tile (fused_act.TILE) and at its best tile (BLOCK_N x column "
-        "tiles a program, warps, stages).",
+        "tiles a program, warps, stages; R16: rank tiles of 16; B: a block's column groups as neighbouring programs); "
+        "silu: SGLang's silu_and_mul alone on the same rows (no delta, rows in order: what the activation's bytes cost "
+        "this GPU).",
         "",
-        tables.markdown(["shape", "ranks", "tokens", "both", "one kernel, shipped tile", "best tile", "one kernel, best",
-                         "best / both", "error: both / shipped / worst tile"],
-                        ([r["shape"], r["ranks"], r["tokens"], f"{r['ms']['both']:.3f}", f"{r['ms']['shipped']:.3f}",
+        tables.markdown(["shape", "ranks", "tokens", "silu", "both", "one kernel, shipped tile", "best tile",
+                         "one kernel, best", "best / both", "error: both / shipped / worst tile"],
+                        ([r["shape"], r["ranks"], r["tokens"], f"{r['ms'].get('silu', float('nan')):.3f}",
+                          f"{r['ms']['both']:.3f}", f"{r['ms']['shipped']:.3f}",
                           r["best"], f"{r['ms'][r['best']]:.3f}", f"{r['ms'][r['best']] / r['ms']['both']:.2f}",
                           f"{r['err']['both']:.1e} / {r['err']['shipped']:.1e} / {max(r['err'].values()):.1e}"]
                          for r in rows)),

@@ -579,21 +579,28 @@ def _act_kernel(
     sorted_ptr, block_key_ptr, rows_used_ptr,
     topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
     # Sizes.
-    num_pairs, half_width, num_experts, num_loras, max_rank, lora_blocks,
+    num_pairs, half_width, num_experts, num_loras, max_rank, lora_blocks, row_programs, groups,
     # Strides.
     stride_tm, stride_bl, stride_be, stride_bn, stride_br, stride_gm, stride_om,
     # Meta-parameters.
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     N_TILES: tl.constexpr, RANK_GRANULE: tl.constexpr,
     ONE_R_TILE: tl.constexpr,  # BLOCK_R >= max_rank; else each block's ranks in tiles of BLOCK_R, up to its own
+    BLOCK_MAJOR: tl.constexpr,  # a block's column groups are neighbouring programs; else a group's blocks are
 ):
     """``out[pair, n] = silu(gate + dgate) * (up + dup)``, ``gate = gate_up[pair, n]``, ``up = gate_up[pair,
     half_width + n]``, each delta ``t[pair, half's ranks] @ B[adapter, expert, half's row n]`` (zero for a pair the
     routing does not hold). The gate-up expand and SGLang's ``silu_and_mul`` in one pass: the gate-up rows are
-    read once and never written back, and the deltas are added in float32 before the activation. Grid (the
-    routing's ``lora_blocks`` blocks, then one program for each ``BLOCK_M`` pairs without a delta; column-tile
-    groups of the half width)."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    read once and never written back, and the deltas are added in float32 before the activation. One axis of
+    ``row_programs * groups`` programs: ``row_programs`` (the routing's ``lora_blocks`` blocks, then one for each
+    ``BLOCK_M`` pairs without a delta) by ``groups`` column-tile groups of the half width; ``BLOCK_MAJOR`` orders
+    it block by block (the programs that read one block's ranks of ``t`` run together, the later ones from L2),
+    else group by group."""
+    pid = tl.program_id(0)
+    if BLOCK_MAJOR:
+        pid_m, pid_n = pid // groups, pid % groups
+    else:
+        pid_m, pid_n = pid % row_programs, pid // row_programs
     first = pid_n * N_TILES * BLOCK_N
     if pid_m < lora_blocks:
         key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
@@ -771,7 +778,8 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
     gate-up delta added first (each half from its own ranks of ``t``, the gate-up shrink's), for every pair: the
     gate-up expand of a gated MoE and SGLang's ``silu_and_mul`` in one kernel. ``gate_up`` is only read. ``tile``:
     ``BLOCK_N``, ``N_TILES`` (column tiles a program), ``num_warps``, ``num_stages``, and ``BLOCK_R`` (ranks a
-    tile; by default every rank in one) (:data:`~sglang_lora_tma_guard.fused_act.TILE`)."""
+    tile; by default every rank in one), ``BLOCK_MAJOR`` (a block's column groups as neighbouring programs; by
+    default a group's blocks) (:data:`~sglang_lora_tma_guard.fused_act.TILE`)."""
     num_pairs = routing.num_pairs
     half_width = gate_up.shape[1] // 2
     assert gate_up.dim() == 2 and gate_up.shape[0] == num_pairs and gate_up.stride(1) == 1, gate_up.shape
@@ -784,15 +792,16 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
     topk = num_pairs // token_lora.shape[0]
     block_r = tile.get("BLOCK_R") or max(16, triton.next_power_of_2(max_rank))
     groups = cdiv(cdiv(half_width, tile["BLOCK_N"]), tile["N_TILES"])
-    launcher(_act_kernel)[(routing.max_blocks + cdiv(num_pairs, routing.block_m), groups)](
+    row_programs = routing.max_blocks + cdiv(num_pairs, routing.block_m)
+    launcher(_act_kernel)[(row_programs * groups,)](
         t, lora_b, gate_up, out, routing.sorted_ids, routing.block_key, routing.rows_used,
         topk_ids, token_lora, enabled, ranks,
-        num_pairs, half_width, routing.num_experts, ranks.numel(), max_rank, routing.max_blocks,
+        num_pairs, half_width, routing.num_experts, ranks.numel(), max_rank, routing.max_blocks, row_programs, groups,
         t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
         gate_up.stride(0), out.stride(0),
         TOPK=topk, BLOCK_M=routing.block_m, BLOCK_N=tile["BLOCK_N"], BLOCK_R=block_r, N_TILES=tile["N_TILES"],
-        RANK_GRANULE=rank_granule(max_rank), ONE_R_TILE=block_r >= max_rank, num_warps=tile["num_warps"],
-        num_stages=tile["num_stages"],
+        RANK_GRANULE=rank_granule(max_rank), ONE_R_TILE=block_r >= max_rank,
+        BLOCK_MAJOR=bool(tile.get("BLOCK_MAJOR")), num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
 
 

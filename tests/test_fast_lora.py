@@ -809,8 +809,9 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_RUN else pytest.mark.slow) for n in CASES
                                   if CASES[n].gated])
-@pytest.mark.parametrize("block_r", [None, 16], ids=["ranks-in-one-tile", "rank-tiles-of-16"])
-def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32_delta(runners, name, block_r):
+@pytest.mark.parametrize("tile", [{}, {"BLOCK_R": 16}, {"BLOCK_N": 16, "N_TILES": 2, "BLOCK_MAJOR": True}],
+                         ids=["ranks-in-one-tile", "rank-tiles-of-16", "block-major-groups-of-two-column-tiles"])
+def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32_delta(runners, name, tile):
     """:func:`lora_moe.expand_silu_and_mul` against ``silu(gate) * up`` of the gate-up rows plus the float32
     reference delta, in float32; every pair (those without a delta too). Tolerance: the fast hook's rows through the
     same activation, plus one fp16 step (the result is rounded once to fp16 where the hook path rounds the rows with
@@ -836,7 +837,7 @@ def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32
     before = gate_up.clone()
     lora_moe.expand_silu_and_mul(out, gate_up.view(tokens * topk, -1), t, info.gate_up_lora_b_weights, routing,
                                  topk_ids=problem.topk_ids, token_lora=slots, enabled=enabled, ranks=ranks, max_rank=r,
-                                 tile={**fused_act.TILE, "BLOCK_R": block_r})
+                                 tile={**fused_act.TILE, **tile})
     assert torch.equal(gate_up, before)  # read only
     error = float((out.float() - expected).abs().max() / expected.abs().max())
     hooked = silu_and_mul_reference(run_hooks_gate_up(gate_up, problem, info)).view(tokens * topk, -1)
