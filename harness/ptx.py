@@ -103,6 +103,20 @@ def hook(**meta) -> dict:
                     constexprs=constexprs, unit=("stride_xk", "stride_ak", "stride_br", "stride_on"), num_stages=3)
 
 
+def act(num_warps: int = 4, num_stages: int = 2, **meta) -> dict:
+    """The gate-up expand and the activation in one kernel (``fused_act.TILE``) at a prefill batch of Qwen3-30B-A3B
+    tp 1 (the routing's blocks of 64 pairs), ranks up to 64 in one tile, unless ``meta`` says otherwise."""
+    from sglang_lora_tma_guard import lora_moe
+
+    constexprs = dict(TOPK=8, BLOCK_M=64, BLOCK_N=64, BLOCK_R=64, N_TILES=1, RANK_GRANULE=8, ONE_R_TILE=True,
+                      BLOCK_MAJOR=False)
+    constexprs.update(meta)
+    return compiled(lora_moe._act_kernel, types={"t_ptr": "*fp32", **dict.fromkeys(_INT32, "*i32"),
+                                                 **dict.fromkeys(("topk_ids_ptr", "token_lora_ptr", "enabled_ptr",
+                                                                  "ranks_ptr"), "*i32")},
+                    constexprs=constexprs, unit=("stride_br",), num_warps=num_warps, num_stages=num_stages)
+
+
 def fused_down(num_warps: int = 4, num_stages: int = 3, **meta) -> dict:
     """This package's down GEMM with the LoRA expand in its epilogue over SGLang's route list, one column tile
     a program (``moe_gemm`` without ``n_tiles``), bf16 weights by plain loads unless ``meta`` says otherwise
