@@ -5,7 +5,7 @@ hook's gate-up expand followed by SGLang's ``silu_and_mul``, on a GPU.
 
 Per batch (``benchmarks/_lora_setup.py``'s: SGLang's ``LoRAInfo``, four adapters and the base model), CUDA-graph
 replays, best of 5 x 50, interleaved: ``both`` (the expand at the shipped tile, then SGLang's activation), and the
-one kernel at its shipped tile (``fused_act.TILE``) and at each tile of :data:`TILES` (BLOCK_N, column tiles a
+one kernel at its shipped tile (``fused_act.tile``) and at each tile of :data:`TILES` (BLOCK_N, column tiles a
 program, warps, stages, ranks a tile; ``--shipped``: the shipped tile only), each also scored against the float32
 activation of the rows with the delta (before any timing).
 Writes ``act_tiles.json`` / ``.md``.
@@ -60,7 +60,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES)
         return lambda: lora_moe.expand_silu_and_mul(out, rows, t, gb, routing, topk_ids=ids, token_lora=slots,
                                                     enabled=enabled, ranks=ranks, max_rank=r, tile=tile)
 
-    variants = {"both": both, "shipped": one(fused_act.TILE), "silu": lambda: fused_moe.silu_and_mul(rows, out)}
+    variants = {"both": both, "shipped": one(fused_act.tile(rows.shape[0])), "silu": lambda: fused_moe.silu_and_mul(rows, out)}
     for tile in tiles:
         bn, n, w, s, block_r, major = tile
         variants[label(tile)] = one({"BLOCK_N": bn, "N_TILES": n, "num_warps": w, "num_stages": s, "BLOCK_R": block_r,
@@ -99,7 +99,7 @@ def markdown(rows, meta) -> str:
     return "\n".join([
         f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}. ms per call, CUDA-graph "
         "replay, best of 5 x 50 (interleaved). both: the gate-up expand (shipped tile) + SGLang's silu_and_mul; "
-        "one kernel: lora_moe.expand_silu_and_mul at its shipped tile (fused_act.TILE) and at its best tile (BLOCK_N x column "
+        "one kernel: lora_moe.expand_silu_and_mul at its shipped tile (fused_act.tile) and at its best tile (BLOCK_N x column "
         "tiles a program, warps, stages; R16: rank tiles of 16; B: a block's column groups as neighbouring programs); "
         "silu: SGLang's silu_and_mul alone on the same rows (no delta, rows in order: what the activation's bytes cost "
         "this GPU).",
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, [256, 2048, 8192])
     add_base_option(parser)
     parser.add_argument("--rank-sets", nargs="+", default=["r16", "mixed"])
-    parser.add_argument("--shipped", action="store_true", help="the shipped tile only (fused_act.TILE)")
+    parser.add_argument("--shipped", action="store_true", help="the shipped tile only (fused_act.tile)")
     args = parser.parse_args(argv)
     return run_batches(args, "act_tiles", functools.partial(measure, tiles=() if args.shipped else TILES), markdown)
 

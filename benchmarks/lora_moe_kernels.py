@@ -182,7 +182,7 @@ def gate_up_parts(c1, t_gu, gb, routing, ids, slots, enabled, ranks, max_rank: i
     return {"act_sglang": lambda: fused_moe.silu_and_mul(rows, out),
             "expand_act": lambda: lora_moe.expand_silu_and_mul(out, rows, t_gu, gb, routing, topk_ids=ids,
                                                                token_lora=slots, enabled=enabled, ranks=ranks,
-                                                               max_rank=max_rank, tile=fused_act.TILE)}
+                                                               max_rank=max_rank, tile=fused_act.tile(rows.shape[0]))}
 
 
 def floor_ms(nbytes: float, flops: float = 0.0) -> float:

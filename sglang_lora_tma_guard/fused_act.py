@@ -55,8 +55,25 @@ SGLang's runner, GLM-5.1 TP8 and Qwen3-30B-A3B tp1 with block-fp8 experts, ranks
 
 the one kernel 0.46-0.82 of the expand + SGLang's ``silu_and_mul``. Off: the hook's expand at every batch."""
 TILE = {"BLOCK_N": 64, "N_TILES": 1, "num_warps": 4, "num_stages": 2}
-"""The one kernel's tile (the fastest of ``benchmarks/act_tiles.py``'s on every batch measured but ranks up to 64
-at 8192 tokens, 12% behind the best there, 8 column tiles of 32)."""
+"""The one kernel's tile: one column tile of 64 a program, every rank in one tile. Of ``benchmarks/act_tiles.py``'s
+30 (column tiles of 32 to 128, 1 to 12 a program, 4 or 8 warps, ranks in one tile or in tiles of 16, both program
+orders) the fastest, or within 10% of it, at every batch of 256 to 8192 tokens measured (once its programs go block
+by block from :data:`BLOCK_MAJOR_FROM_ROUTES`) but one: all rank 16 at 256 tokens on Qwen3-30B-A3B tp 1, 0.019 ms
+against 0.017 with 6 tiles of 128 a program (``benchmarks/results/lora_moe/act/order/``, one H100)."""
+BLOCK_MAJOR_FROM_ROUTES = 32768
+"""From this many routes (tokens x top-k) the one kernel's programs go block by block (``BLOCK_MAJOR``: the column
+groups of one block of routes run together, so its ranks of ``t`` come from DRAM once and from L2 after). Block by
+block against group by group, :data:`TILE`, one H100 (``benchmarks/results/lora_moe/act/order/``), ms:
+
+- from 4096 tokens faster in all 8 batches: ranks 8-64 at 8192 tokens 0.226 / 0.275 (Qwen3-30B-A3B tp 1), 0.119 /
+  0.140 (tp 2), 0.087 / 0.099 (GLM-5.1 TP8); at 4096 0.123 / 0.134, 0.065 / 0.069, 0.063 / 0.066; all rank 16
+  2-8% faster (0.187 / 0.203 at 8192 tokens on Qwen3 tp 1);
+- below, up to 13% slower: all rank 16 at 2048 tokens 0.053 / 0.047 (Qwen3 tp 1), 0.024 / 0.023 (GLM-5.1)."""
+
+
+def tile(num_pairs: int) -> dict:
+    """The one kernel's tile for a batch of ``num_pairs`` routes."""
+    return {**TILE, "BLOCK_MAJOR": num_pairs >= BLOCK_MAJOR_FROM_ROUTES}
 
 if TYPE_CHECKING:
     import torch
@@ -147,7 +164,7 @@ class ActWork:
         pairs = self.routing.num_pairs
         lora_moe.expand_silu_and_mul(out[:pairs], self.rows.view(pairs, -1), self.t, self.lora_b, self.routing,
                                      topk_ids=self.topk_ids, token_lora=self.token_lora, enabled=self.enabled,
-                                     ranks=self.ranks, max_rank=self.max_rank, tile=TILE)
+                                     ranks=self.ranks, max_rank=self.max_rank, tile=tile(pairs))
 
     def add_in_place(self) -> None:
         """The hook's own work: the delta added into the rows."""

@@ -882,18 +882,27 @@ def torch_silu_and_mul(calls):
     return silu_and_mul
 
 
-@pytest.mark.parametrize("activation", ["silu_and_mul", "portable"])
+@pytest.mark.parametrize("activation, block_major", [("silu_and_mul", False), ("silu_and_mul", True),
+                                                     ("portable", False)],
+                         ids=["silu_and_mul", "silu_and_mul-block-major", "portable"])
 def test_the_gate_up_delta_is_added_by_the_activation_in_sglangs_runner(sglang_plugins, runners, monkeypatch,
-                                                                       activation):
+                                                                       activation, block_major):
     """``=fast`` through ``load_plugins()``, the gate-up work offered to the activation (``fused_act``): in SGLang's
     runner the call is as right against the float32 reference MoE as the hooks' (tolerance as above) and the hook
     adds nothing into the gate-up rows. Where SGLang's sequence calls
     its CUDA ``silu_and_mul`` (``_is_cuda``; PyTorch's math in its place here) the one kernel runs instead of it;
     where it runs its portable activation (SGLang on the CPU) the down launch writes the activation again, delta
-    included. Without the guard's wrapper (which reads the call's activation) nothing is offered."""
+    included. Without the guard's wrapper (which reads the call's activation) nothing is offered. Block-major: the
+    one kernel's programs in the order it takes from ``fused_act.BLOCK_MAJOR_FROM_ROUTES`` routes on (lowered here
+    to this batch's)."""
     from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
 
-    from sglang_lora_tma_guard import fused_act
+    from sglang_lora_tma_guard import fused_act, lora_moe
+
+    orders, one_kernel = [], lora_moe.expand_silu_and_mul
+    monkeypatch.setattr(fused_act, "BLOCK_MAJOR_FROM_ROUTES", 1 if block_major else fused_act.BLOCK_MAJOR_FROM_ROUTES)
+    monkeypatch.setattr(lora_moe, "expand_silu_and_mul",
+                        lambda *a, tile, **k: orders.append(tile["BLOCK_MAJOR"]) or one_kernel(*a, tile=tile, **k))
 
     problem, info = make_case("mixed-ranks-top2", seed=1)
     reference = expected_moe(problem, ReferenceLoRAHooks(info))
@@ -911,11 +920,13 @@ def test_the_gate_up_delta_is_added_by_the_activation_in_sglangs_runner(sglang_p
     try:
         fused_act.activate()
         assert fused_act.PATCH.status().installed == (activation == "silu_and_mul")
+        orders.clear()
         fused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
     finally:
         fused_act.deactivate()  # off SGLang's attribute before monkeypatch takes it away
     pairs = TOKENS * CASES["mixed-ranks-top2"].topk
     assert kernels == [(pairs, problem.w2.shape[2])] and not in_place and not calls
+    assert orders == [block_major]
     fused_err, hooked_err = tiny_moe.rel_err(fused, reference), tiny_moe.rel_err(hooked, reference)
     assert fused_err < 1e-2 and fused_err <= hooked_err + ONE_FP16_STEP, (fused_err, hooked_err)
     assert tiny_moe.rel_err(fused, expected_moe(problem, None)) > 0.05
