@@ -570,6 +570,16 @@ def _add_rank_tile(gate, up, t_gate, t_up, b_base, offs_n, n_ok, offs_r, rank, h
 
 
 @triton.jit
+def _halves(row_ptrs, row_ok, offs_n, n_ok, half_width):
+    """The gate and up columns ``offs_n`` of the rows at ``row_ptrs`` (pointers to each row's first element), in
+    float32 (zero off ``row_ok`` x ``n_ok``)."""
+    mask = row_ok[:, None] & n_ok[None, :]
+    ptrs = row_ptrs[:, None] + offs_n[None, :]
+    return (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32),
+            tl.load(ptrs + half_width, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _act_kernel(
     # Pointers: t (pairs, 2 * max_rank) float32 gate-up ranks; B (slots, experts or 1, 2 * half_width, max_rank);
     # gate_up (pairs, 2 * half_width) the gate-up GEMM's rows, read only; out (pairs, half_width); the routing's
@@ -587,6 +597,7 @@ def _act_kernel(
     N_TILES: tl.constexpr, RANK_GRANULE: tl.constexpr,
     ONE_R_TILE: tl.constexpr,  # BLOCK_R >= max_rank; else each block's ranks in tiles of BLOCK_R, up to its own
     BLOCK_MAJOR: tl.constexpr,  # a block's column groups are neighbouring programs; else a group's blocks are
+    PREFETCH: tl.constexpr,  # each column tile's rows loaded before the one before it is computed and stored
 ):
     """``out[pair, n] = silu(gate + dgate) * (up + dup)``, ``gate = gate_up[pair, n]``, ``up = gate_up[pair,
     half_width + n]``, each delta ``t[pair, half's ranks] @ B[adapter, expert, half's row n]`` (zero for a pair the
@@ -614,13 +625,20 @@ def _act_kernel(
                   + offs_r[:, None] * stride_br)
         if ONE_R_TILE:  # every rank in one tile: the block's ranks read once
             t_gate, t_up = _rank_tiles(t_ptrs, pair_ok, offs_r, rank, max_rank, RANK_GRANULE, b_ptr.dtype.element_ty)
+        row_ptrs = gate_up_ptr + pairs * stride_gm
+        last = tl.minimum(half_width, first + N_TILES * BLOCK_N)
+        if PREFETCH:
+            offs_n = first + tl.arange(0, BLOCK_N)
+            gate_next, up_next = _halves(row_ptrs, pair_ok, offs_n, offs_n < last, half_width)
         for j in range(N_TILES):
             offs_n = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < half_width
-            g_ptrs = gate_up_ptr + pairs[:, None] * stride_gm + offs_n[None, :]
             mask = pair_ok[:, None] & n_ok[None, :]
-            gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(g_ptrs + half_width, mask=mask, other=0.0).to(tl.float32)
+            if PREFETCH:
+                gate, up = gate_next, up_next
+                gate_next, up_next = _halves(row_ptrs, pair_ok, offs_n + BLOCK_N, offs_n + BLOCK_N < last, half_width)
+            else:
+                gate, up = _halves(row_ptrs, pair_ok, offs_n, n_ok, half_width)
             if ONE_R_TILE:
                 gate, up = _add_rank_tile(gate, up, t_gate, t_up, b_base, offs_n, n_ok, offs_r, rank, half_width,
                                           stride_bn, RANK_GRANULE)
@@ -638,12 +656,19 @@ def _act_kernel(
         _, _, _, held = _pairs(rows, in_range, topk_ids_ptr, token_lora_ptr, enabled_ptr, ranks_ptr, num_loras,
                                num_experts, TOPK)
         row_ok = in_range & ~held  # the routing's pairs are the blocks' programs'
+        row_ptrs = gate_up_ptr + rows.to(tl.int64) * stride_gm
+        last = tl.minimum(half_width, first + N_TILES * BLOCK_N)
+        if PREFETCH:
+            offs_n = first + tl.arange(0, BLOCK_N)
+            gate_next, up_next = _halves(row_ptrs, row_ok, offs_n, offs_n < last, half_width)
         for j in range(N_TILES):
             offs_n = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = row_ok[:, None] & (offs_n < half_width)[None, :]
-            g_ptrs = gate_up_ptr + rows[:, None].to(tl.int64) * stride_gm + offs_n[None, :]
-            gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(g_ptrs + half_width, mask=mask, other=0.0).to(tl.float32)
+            if PREFETCH:
+                gate, up = gate_next, up_next
+                gate_next, up_next = _halves(row_ptrs, row_ok, offs_n + BLOCK_N, offs_n + BLOCK_N < last, half_width)
+            else:
+                gate, up = _halves(row_ptrs, row_ok, offs_n, offs_n < half_width, half_width)
             tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                      (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -801,7 +826,8 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
         gate_up.stride(0), out.stride(0),
         TOPK=topk, BLOCK_M=routing.block_m, BLOCK_N=tile["BLOCK_N"], BLOCK_R=block_r, N_TILES=tile["N_TILES"],
         RANK_GRANULE=rank_granule(max_rank), ONE_R_TILE=block_r >= max_rank,
-        BLOCK_MAJOR=bool(tile.get("BLOCK_MAJOR")), num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        BLOCK_MAJOR=bool(tile.get("BLOCK_MAJOR")), PREFETCH=bool(tile.get("PREFETCH")), num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
     )
 
 
