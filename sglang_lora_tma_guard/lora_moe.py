@@ -598,6 +598,7 @@ def _act_kernel(
     ONE_R_TILE: tl.constexpr,  # BLOCK_R >= max_rank; else each block's ranks in tiles of BLOCK_R, up to its own
     BLOCK_MAJOR: tl.constexpr,  # a block's column groups are neighbouring programs; else a group's blocks are
     PREFETCH: tl.constexpr,  # each column tile's rows loaded before the one before it is computed and stored
+    ROWS_ONLY: tl.constexpr = False,  # benchmarks only: no delta (the rows' traffic in the routing's order alone)
 ):
     """``out[pair, n] = silu(gate + dgate) * (up + dup)``, ``gate = gate_up[pair, n]``, ``up = gate_up[pair,
     half_width + n]``, each delta ``t[pair, half's ranks] @ B[adapter, expert, half's row n]`` (zero for a pair the
@@ -623,7 +624,7 @@ def _act_kernel(
         t_ptrs = t_ptr + pairs[:, None] * stride_tm + offs_r[None, :]
         b_base = (b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
                   + offs_r[:, None] * stride_br)
-        if ONE_R_TILE:  # every rank in one tile: the block's ranks read once
+        if ONE_R_TILE and not ROWS_ONLY:  # every rank in one tile: the block's ranks read once
             t_gate, t_up = _rank_tiles(t_ptrs, pair_ok, offs_r, rank, max_rank, RANK_GRANULE, b_ptr.dtype.element_ty)
         row_ptrs = gate_up_ptr + pairs * stride_gm
         last = tl.minimum(half_width, first + N_TILES * BLOCK_N)
@@ -639,7 +640,9 @@ def _act_kernel(
                 gate_next, up_next = _halves(row_ptrs, pair_ok, offs_n + BLOCK_N, offs_n + BLOCK_N < last, half_width)
             else:
                 gate, up = _halves(row_ptrs, pair_ok, offs_n, n_ok, half_width)
-            if ONE_R_TILE:
+            if ROWS_ONLY:
+                pass
+            elif ONE_R_TILE:
                 gate, up = _add_rank_tile(gate, up, t_gate, t_up, b_base, offs_n, n_ok, offs_r, rank, half_width,
                                           stride_bn, RANK_GRANULE)
             else:  # the block's own ranks, a tile at a time: a rank-8 block in a buffer of 64 does one
@@ -826,7 +829,8 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
         gate_up.stride(0), out.stride(0),
         TOPK=topk, BLOCK_M=routing.block_m, BLOCK_N=tile["BLOCK_N"], BLOCK_R=block_r, N_TILES=tile["N_TILES"],
         RANK_GRANULE=rank_granule(max_rank), ONE_R_TILE=block_r >= max_rank,
-        BLOCK_MAJOR=bool(tile.get("BLOCK_MAJOR")), PREFETCH=bool(tile.get("PREFETCH")), num_warps=tile["num_warps"],
+        BLOCK_MAJOR=bool(tile.get("BLOCK_MAJOR")), PREFETCH=bool(tile.get("PREFETCH")), ROWS_ONLY=bool(tile.get("ROWS_ONLY")),
+        num_warps=tile["num_warps"],
         num_stages=tile["num_stages"],
     )
 

@@ -856,6 +856,11 @@ def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32
         assert mean_error <= hook_mean_error, (slot, mean_error, hook_mean_error)
     plain = silu_and_mul_reference(gate_up.float()).view(tokens * topk, -1)
     assert not torch.allclose(out.float(), plain, atol=1e-2)  # the delta is there
+    if not tile:  # the benchmarks' rows-only variant: every pair's plain activation, in the same order of programs
+        lora_moe.expand_silu_and_mul(out, gate_up.view(tokens * topk, -1), t, info.gate_up_lora_b_weights, routing,
+                                     topk_ids=problem.topk_ids, token_lora=slots, enabled=enabled, ranks=ranks,
+                                     max_rank=r, tile={**fused_act.TILE, "ROWS_ONLY": True})
+        torch.testing.assert_close(out.float(), plain, atol=ONE_FP16_STEP * plain.abs().max().item(), rtol=0)
 
 
 def run_hooks_gate_up(gate_up, problem, info):
