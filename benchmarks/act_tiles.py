@@ -27,13 +27,14 @@ TILES = ([(bn, n, w, 2, None, major, False) for bn, n in ((32, 8), (64, 1), (64,
           for major in (False, True)]
          + [(bn, n, 4, 2, 16, major, False) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))
             for major in (False, True)]
-         + [(bn, n, w, 2, None, True, True) for bn, n in ((32, 8), (64, 6), (64, 12), (128, 6)) for w in (4, 8)])
+         + [(bn, n, w, 2, None, True, True) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6)) for w in (4, 8)]
+         + [(64, 1, 4, 2, None, False, True)])
 """(BLOCK_N, column tiles a program, warps, stages, BLOCK_R: None for every rank in one tile, BLOCK_MAJOR: a block's
 column groups as neighbouring programs, PREFETCH: each column tile's rows loaded a tile ahead): the best of a first
 sweep (``benchmarks/results/lora_moe/act/``: 4, 8 column tiles of 32; 1, 2, 4, 6 of 64; 1, 2, 3 of 128; stages 2
 and 3, the same within 1%), one group of the whole width
-(12 tiles of 64, 6 of 128: Qwen3-30B-A3B at tp 1), in both program orders, with and without rank tiles of 16; the
-tiles of several columns a program also with their rows loaded a tile ahead."""
+(12 tiles of 64, 6 of 128: Qwen3-30B-A3B at tp 1), in both program orders, with and without rank tiles of 16; and
+block by block with the rows asked for before the ranks and a tile ahead."""
 
 
 def label(tile) -> str:

@@ -597,7 +597,8 @@ def _act_kernel(
     N_TILES: tl.constexpr, RANK_GRANULE: tl.constexpr,
     ONE_R_TILE: tl.constexpr,  # BLOCK_R >= max_rank; else each block's ranks in tiles of BLOCK_R, up to its own
     BLOCK_MAJOR: tl.constexpr,  # a block's column groups are neighbouring programs; else a group's blocks are
-    PREFETCH: tl.constexpr,  # each column tile's rows loaded before the one before it is computed and stored
+    PREFETCH: tl.constexpr,  # the first column tile's rows loaded before the ranks, each next one before the one
+    # before it is computed and stored
     ROWS_ONLY: tl.constexpr = False,  # benchmarks only: no delta (the rows' traffic in the routing's order alone)
 ):
     """``out[pair, n] = silu(gate + dgate) * (up + dup)``, ``gate = gate_up[pair, n]``, ``up = gate_up[pair,
@@ -624,13 +625,13 @@ def _act_kernel(
         t_ptrs = t_ptr + pairs[:, None] * stride_tm + offs_r[None, :]
         b_base = (b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
                   + offs_r[:, None] * stride_br)
-        if ONE_R_TILE and not ROWS_ONLY:  # every rank in one tile: the block's ranks read once
-            t_gate, t_up = _rank_tiles(t_ptrs, pair_ok, offs_r, rank, max_rank, RANK_GRANULE, b_ptr.dtype.element_ty)
         row_ptrs = gate_up_ptr + pairs * stride_gm
         last = tl.minimum(half_width, first + N_TILES * BLOCK_N)
-        if PREFETCH:
+        if PREFETCH:  # the first tile's rows asked for before the ranks
             offs_n = first + tl.arange(0, BLOCK_N)
             gate_next, up_next = _halves(row_ptrs, pair_ok, offs_n, offs_n < last, half_width)
+        if ONE_R_TILE and not ROWS_ONLY:  # every rank in one tile: the block's ranks read once
+            t_gate, t_up = _rank_tiles(t_ptrs, pair_ok, offs_r, rank, max_rank, RANK_GRANULE, b_ptr.dtype.element_ty)
         for j in range(N_TILES):
             offs_n = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < half_width
