@@ -570,6 +570,18 @@ def _add_rank_tile(gate, up, t_gate, t_up, b_base, offs_n, n_ok, offs_r, rank, h
 
 
 @triton.jit
+def _delta_in(gate, up, t_rows, pair_ok, rank, max_rank, b_rows, stride_br, offs_n, n_ok, half_width, stride_bn,
+              R: tl.constexpr, RANK_GRANULE: tl.constexpr):
+    """``gate`` and ``up`` plus the deltas of a block whose ``rank`` is at most ``R``: its ranks in one tile of ``R``
+    (``t_rows``: each pair's row of ``t``; ``b_rows``: the block's B, its rank 0 of row 0)."""
+    offs_r = tl.arange(0, R)
+    t_gate, t_up = _rank_tiles(t_rows[:, None] + offs_r[None, :], pair_ok, offs_r, rank, max_rank, RANK_GRANULE,
+                               b_rows.dtype.element_ty)
+    return _add_rank_tile(gate, up, t_gate, t_up, b_rows + offs_r[:, None] * stride_br, offs_n, n_ok, offs_r, rank,
+                          half_width, stride_bn, RANK_GRANULE)
+
+
+@triton.jit
 def _halves(row_ptrs, row_ok, offs_n, n_ok, half_width):
     """The gate and up columns ``offs_n`` of the rows at ``row_ptrs`` (pointers to each row's first element), in
     float32 (zero off ``row_ok`` x ``n_ok``)."""
@@ -600,6 +612,8 @@ def _act_kernel(
     PREFETCH: tl.constexpr,  # the first column tile's rows loaded before the ranks, each next one before the one
     # before it is computed and stored
     ROWS_ONLY: tl.constexpr = False,  # benchmarks only: no delta (the rows' traffic in the routing's order alone)
+    RANK_CLASSES: tl.constexpr = False,  # with ONE_R_TILE: a block's ranks in one tile of 16, 32 or BLOCK_R, the
+    # smallest that holds them
 ):
     """``out[pair, n] = silu(gate + dgate) * (up + dup)``, ``gate = gate_up[pair, n]``, ``up = gate_up[pair,
     half_width + n]``, each delta ``t[pair, half's ranks] @ B[adapter, expert, half's row n]`` (zero for a pair the
@@ -623,14 +637,14 @@ def _act_kernel(
         pair_ok = pairs < num_pairs
         offs_r = tl.arange(0, BLOCK_R)
         t_ptrs = t_ptr + pairs[:, None] * stride_tm + offs_r[None, :]
-        b_base = (b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
-                  + offs_r[:, None] * stride_br)
+        b_block = b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+        b_base = b_block + offs_r[:, None] * stride_br
         row_ptrs = gate_up_ptr + pairs * stride_gm
         last = tl.minimum(half_width, first + N_TILES * BLOCK_N)
         if PREFETCH:  # the first tile's rows asked for before the ranks
             offs_n = first + tl.arange(0, BLOCK_N)
             gate_next, up_next = _halves(row_ptrs, pair_ok, offs_n, offs_n < last, half_width)
-        if ONE_R_TILE and not ROWS_ONLY:  # every rank in one tile: the block's ranks read once
+        if ONE_R_TILE and not ROWS_ONLY and not RANK_CLASSES:  # every rank in one tile: the block's ranks read once
             t_gate, t_up = _rank_tiles(t_ptrs, pair_ok, offs_r, rank, max_rank, RANK_GRANULE, b_ptr.dtype.element_ty)
         for j in range(N_TILES):
             offs_n = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -643,6 +657,17 @@ def _act_kernel(
                 gate, up = _halves(row_ptrs, pair_ok, offs_n, n_ok, half_width)
             if ROWS_ONLY:
                 pass
+            elif RANK_CLASSES:
+                t_rows = t_ptr + pairs * stride_tm
+                if rank <= 16:
+                    gate, up = _delta_in(gate, up, t_rows, pair_ok, rank, max_rank, b_block, stride_br, offs_n, n_ok,
+                                         half_width, stride_bn, 16, RANK_GRANULE)
+                elif rank <= 32:
+                    gate, up = _delta_in(gate, up, t_rows, pair_ok, rank, max_rank, b_block, stride_br, offs_n, n_ok,
+                                         half_width, stride_bn, 32, RANK_GRANULE)
+                else:
+                    gate, up = _delta_in(gate, up, t_rows, pair_ok, rank, max_rank, b_block, stride_br, offs_n, n_ok,
+                                         half_width, stride_bn, BLOCK_R, RANK_GRANULE)
             elif ONE_R_TILE:
                 gate, up = _add_rank_tile(gate, up, t_gate, t_up, b_base, offs_n, n_ok, offs_r, rank, half_width,
                                           stride_bn, RANK_GRANULE)
@@ -831,6 +856,7 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
         TOPK=topk, BLOCK_M=routing.block_m, BLOCK_N=tile["BLOCK_N"], BLOCK_R=block_r, N_TILES=tile["N_TILES"],
         RANK_GRANULE=rank_granule(max_rank), ONE_R_TILE=block_r >= max_rank,
         BLOCK_MAJOR=bool(tile.get("BLOCK_MAJOR")), PREFETCH=bool(tile.get("PREFETCH")), ROWS_ONLY=bool(tile.get("ROWS_ONLY")),
+        RANK_CLASSES=bool(tile.get("RANK_CLASSES")) and block_r >= max_rank,
         num_warps=tile["num_warps"],
         num_stages=tile["num_stages"],
     )
