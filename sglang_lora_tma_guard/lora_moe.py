@@ -832,8 +832,11 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
     gate-up delta added first (each half from its own ranks of ``t``, the gate-up shrink's), for every pair: the
     gate-up expand of a gated MoE and SGLang's ``silu_and_mul`` in one kernel. ``gate_up`` is only read. ``tile``:
     ``BLOCK_N``, ``N_TILES`` (column tiles a program), ``num_warps``, ``num_stages``, and ``BLOCK_R`` (ranks a
-    tile; by default every rank in one), ``BLOCK_MAJOR`` (a block's column groups as neighbouring programs; by
-    default a group's blocks) (:data:`~sglang_lora_tma_guard.fused_act.TILE`)."""
+    tile; by default every rank in one), and switches, off unless given: ``BLOCK_MAJOR`` (a block's column groups as
+    neighbouring programs, else a group's blocks), ``PREFETCH`` (each column tile's rows asked for a tile ahead, the
+    first before the ranks), ``RANK_CLASSES`` (with every rank in one tile: a block's ranks in a tile of 16, 32 or
+    the largest, the smallest that holds them), ``ROWS_ONLY`` (benchmarks: the delta left out)
+    (:func:`~sglang_lora_tma_guard.fused_act.tile`)."""
     num_pairs = routing.num_pairs
     half_width = gate_up.shape[1] // 2
     assert gate_up.dim() == 2 and gate_up.shape[0] == num_pairs and gate_up.stride(1) == 1, gate_up.shape
@@ -854,10 +857,9 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
         t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
         gate_up.stride(0), out.stride(0),
         TOPK=topk, BLOCK_M=routing.block_m, BLOCK_N=tile["BLOCK_N"], BLOCK_R=block_r, N_TILES=tile["N_TILES"],
-        RANK_GRANULE=rank_granule(max_rank), ONE_R_TILE=block_r >= max_rank,
-        BLOCK_MAJOR=bool(tile.get("BLOCK_MAJOR")), PREFETCH=bool(tile.get("PREFETCH")), ROWS_ONLY=bool(tile.get("ROWS_ONLY")),
-        RANK_CLASSES=bool(tile.get("RANK_CLASSES")) and block_r >= max_rank,
-        num_warps=tile["num_warps"],
+        RANK_GRANULE=rank_granule(max_rank), ONE_R_TILE=block_r >= max_rank, BLOCK_MAJOR=bool(tile.get("BLOCK_MAJOR")),
+        PREFETCH=bool(tile.get("PREFETCH")), ROWS_ONLY=bool(tile.get("ROWS_ONLY")),
+        RANK_CLASSES=bool(tile.get("RANK_CLASSES")) and block_r >= max_rank, num_warps=tile["num_warps"],
         num_stages=tile["num_stages"],
     )
 
