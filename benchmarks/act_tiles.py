@@ -118,8 +118,8 @@ def markdown(rows, meta) -> str:
         "",
         tables.markdown(["shape", "ranks", "tokens", "silu", "rows only", "both", "one kernel, shipped tile", "best tile",
                          "one kernel, best", "best / both", "error: both / shipped / worst tile"],
-                        ([r["shape"], r["ranks"], r["tokens"], f"{r['ms'].get('silu', float('nan')):.3f}",
-                          f"{r['ms'].get('rows only', float('nan')):.3f}",
+                        ([r["shape"], r["ranks"], r["tokens"], *(f"{r['ms'][k]:.3f}" if k in r["ms"] else "–"
+                                                                  for k in ("silu", "rows only")),
                           f"{r['ms']['both']:.3f}", f"{r['ms']['shipped']:.3f}",
                           r["best"], f"{r['ms'][r['best']]:.3f}", f"{r['ms'][r['best']] / r['ms']['both']:.2f}",
                           f"{r['err']['both']:.1e} / {r['err']['shipped']:.1e} / {max(r['err'].values()):.1e}"]
@@ -128,7 +128,19 @@ def markdown(rows, meta) -> str:
         "error: the output's largest difference from the float32 activation of the rows plus the float32 delta, over "
         "the largest value (a bf16 rounding of the output is up to 3.9e-3 of a value; the two kernels round the rows "
         "with their delta once more).",
+        "",
+        "Every variant, ms (columns: shape, ranks, tokens):",
+        "",
+        every_variant(rows),
     ]) + "\n"
+
+
+def every_variant(rows) -> str:
+    """A table of every variant's time (rows) at every batch (columns), in the order measured."""
+    names = list(dict.fromkeys(name for r in rows for name in r["ms"]))
+    return tables.markdown(["variant"] + [f"{r['shape']} {r['ranks']} {r['tokens']}" for r in rows],
+                           ([name] + [f"{r['ms'][name]:.3f}" if name in r["ms"] else "–" for r in rows]
+                            for name in names))
 
 
 def main(argv=None) -> int:
