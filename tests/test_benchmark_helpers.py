@@ -617,6 +617,22 @@ def test_the_gemm_tables_show_every_part_timed_in_a_kept_run():
     assert "| sglang | 1.0000 |" in down_gemm.markdown([row], kept["meta"])
 
 
+def test_the_act_tiles_table_shows_every_variant_of_a_kept_run_and_marks_those_a_run_lacks():
+    """``act_tiles.markdown`` over two kept H100 runs: the best-tile table, and a table of every variant (a row each)
+    at every batch (a column each), ``–`` where the earlier run had no ``rows only``."""
+    from benchmarks import act_tiles
+
+    kept = REPO / "benchmarks/results/lora_moe/act/order"
+    late = json.loads((kept / "prefetch/act_tiles.json").read_text())
+    early = json.loads((kept / "small/act_tiles.json").read_text())
+    text = act_tiles.markdown(early["rows"][:1] + late["rows"][:1], late["meta"])
+    first, second = early["rows"][0], late["rows"][0]
+    assert "| variant | qwen3-30b-tp1 mixed 2048 | qwen3-30b-tp1 mixed 8192 |" in text
+    assert f"| rows only | – | {second['ms']['rows only']:.3f} |" in text
+    assert f"| N64x1 w4 s2 B | {first['ms']['N64x1 w4 s2 B']:.3f} | {second['ms']['N64x1 w4 s2 B']:.3f} |" in text
+    assert f"| qwen3-30b-tp1 | mixed | 2048 | {first['ms']['silu']:.3f} | – |" in text
+
+
 @pytest.mark.parametrize(("site", "read", "expected"), [
     ("hookact_site", "fused_act.BY_FAST", "False"),
     ("onestream_site", "lora_path.OVERLAP", "False"),
