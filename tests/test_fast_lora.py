@@ -863,6 +863,35 @@ def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32
         torch.testing.assert_close(out.float(), plain, atol=ONE_FP16_STEP * plain.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("name", ["mixed-ranks-top2", pytest.param("shared-outer", marks=pytest.mark.slow)])
+def test_the_one_kernels_program_order_and_prefetch_leave_its_output_bit_for_bit(runners, name):
+    """Block by block or group by group, rows loaded a tile ahead or not: the same programs do the same arithmetic,
+    so the one kernel's output is the same to the bit (``fused_act.tile`` switches the order by batch size)."""
+    problem, info = make_case(name)
+    tokens, topk = problem.topk_ids.shape
+    r = int(info.max_lora_rank)
+    gate_up = torch.randn(tokens * topk, info.gate_up_lora_b_weights.shape[2],
+                          generator=torch.Generator().manual_seed(3)).half()
+    ranks, enabled = info.lora_ranks.to(torch.int32), info.adapter_enabled.to(torch.int32)
+    slots = lora_path.token_adapters(info, tokens)
+    experts = info.gate_up_lora_b_weights.shape[1]
+    config = tuning.plan(tokens * topk, problem.hidden_states.shape[1], info.down_lora_a_weights.shape[3], experts,
+                         ranks.numel(), r).gate_up
+    routing = lora_moe.route(problem.topk_ids, slots, enabled, ranks, experts, 16)
+    t = lora_moe.shrink(problem.hidden_states, info.gate_up_lora_a_weights, routing, topk=topk, max_rank=r, halves=2,
+                        config=config)
+    outs = []
+    for major, prefetch in ((False, False), (True, False), (False, True), (True, True)):
+        out = torch.full((tokens * topk, gate_up.shape[1] // 2), float("nan"), dtype=gate_up.dtype)
+        lora_moe.expand_silu_and_mul(out, gate_up, t, info.gate_up_lora_b_weights, routing, topk_ids=problem.topk_ids,
+                                     token_lora=slots, enabled=enabled, ranks=ranks, max_rank=r,
+                                     tile={**fused_act.TILE, "BLOCK_N": 16, "N_TILES": 2, "BLOCK_MAJOR": major,
+                                           "PREFETCH": prefetch})
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
 def run_hooks_gate_up(gate_up, problem, info):
     """The fast gate-up hook's rows, in fp16 (the hook path's activation input)."""
     from sglang.srt.lora import lora_moe_runners
