@@ -223,6 +223,12 @@ CONFIGURATIONS = {
         lambda r=r, m=m: down_as_placed(768, r, m, fp8=False, block_n=256, num_stages=4, num_warps=8))
        for r, m in ((16, 64), (32, 128), (64, 128))},
     # The other tuned decode tiles of Qwen3-30B-A3B tp 1 (512 pairs; "rank tiles of 16" is the gate-up expand's).
+    # The gate-up expand and the activation in one kernel (fused_act): as placed (one column tile of 64 a program),
+    # with the switches act_tiles sweeps.
+    "expand and activation": lambda: act(),
+    "expand and activation, block by block, rows a tile ahead": lambda: act(BLOCK_N=32, N_TILES=8, BLOCK_MAJOR=True,
+                                                                              PREFETCH=True),
+    "expand and activation, rank classes": lambda: act(RANK_CLASSES=True),
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
                                          num_warps=4),
     "decode shrink gate-up": lambda: shrink(BLOCK_R=64),
