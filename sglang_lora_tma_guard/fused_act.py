@@ -63,7 +63,8 @@ against 0.017 with 6 tiles of 128 a program (``benchmarks/results/lora_moe/act/o
 BLOCK_MAJOR_FROM_ROUTES = 32768
 """From this many routes (tokens x top-k) the one kernel's programs go block by block (``BLOCK_MAJOR``: the column
 groups of one block of routes run together, so its ranks of ``t`` come from DRAM once and from L2 after); the
-output is the same to the bit in either order. Block by block against group by group, :data:`TILE`, one H100 (``benchmarks/results/lora_moe/act/order/``), ms:
+output is the same to the bit in either order. Block by block against group by group, :data:`TILE`, one H100
+(``benchmarks/results/lora_moe/act/order/``), ms:
 
 - from 4096 tokens faster in all 8 batches: ranks 8-64 at 8192 tokens 0.226 / 0.275 (Qwen3-30B-A3B tp 1), 0.119 /
   0.140 (tp 2), 0.087 / 0.099 (GLM-5.1 TP8); at 4096 0.123 / 0.134, 0.065 / 0.069, 0.063 / 0.066; all rank 16
