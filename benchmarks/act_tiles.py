@@ -34,11 +34,11 @@ TILES = ([(bn, n, w, 2, None, major, False, False) for bn, n in ((32, 8), (64, 1
             for prefetch in (False, True)])
 """(BLOCK_N, column tiles a program, warps, stages, BLOCK_R: None for every rank in one tile, BLOCK_MAJOR: a block's
 column groups as neighbouring programs, PREFETCH: each column tile's rows loaded a tile ahead, RANK_CLASSES: a block's
-ranks in one tile of 16, 32 or 64, the smallest that holds them): the best of a first
-sweep (``benchmarks/results/lora_moe/act/``: 4, 8 column tiles of 32; 1, 2, 4, 6 of 64; 1, 2, 3 of 128; stages 2
-and 3, the same within 1%), one group of the whole width
-(12 tiles of 64, 6 of 128: Qwen3-30B-A3B at tp 1), in both program orders, with and without rank tiles of 16; and
-block by block with the rows asked for before the ranks and a tile ahead, and with rank classes."""
+ranks in one tile of 16, 32 or 64, the smallest that holds them). The best of a first sweep
+(``benchmarks/results/lora_moe/act/``: 4, 8 column tiles of 32; 1, 2, 4, 6 of 64; 1, 2, 3 of 128; stages 2 and 3,
+the same within 1%) and one group of the whole width (12 tiles of 64, 6 of 128: Qwen3-30B-A3B at tp 1), in both
+program orders, with and without rank tiles of 16; then block by block with the rows asked for before the ranks and
+a tile ahead, and with rank classes."""
 
 
 def label(tile) -> str:
