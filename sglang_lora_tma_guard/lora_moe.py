@@ -572,8 +572,8 @@ def _add_rank_tile(gate, up, t_gate, t_up, b_base, offs_n, n_ok, offs_r, rank, h
 @triton.jit
 def _delta_in(gate, up, t_rows, pair_ok, rank, max_rank, b_rows, stride_br, offs_n, n_ok, half_width, stride_bn,
               R: tl.constexpr, RANK_GRANULE: tl.constexpr):
-    """``gate`` and ``up`` plus the deltas of a block whose ``rank`` is at most ``R``: its ranks in one tile of ``R``
-    (``t_rows``: each pair's row of ``t``; ``b_rows``: the block's B, its rank 0 of row 0)."""
+    """``gate`` and ``up`` plus the deltas of the block's first ``rank`` ranks, at most ``R``, in one tile of ``R``
+    (``t_rows``: each pair's row of ``t`` from the first; ``b_rows``: the block's B, row 0 at the first)."""
     offs_r = tl.arange(0, R)
     t_gate, t_up = _rank_tiles(t_rows[:, None] + offs_r[None, :], pair_ok, offs_r, rank, max_rank, RANK_GRANULE,
                                b_rows.dtype.element_ty)
@@ -636,7 +636,8 @@ def _act_kernel(
         adapter, expert, rank = _unpack(key, num_experts)
         pair_ok = pairs < num_pairs
         offs_r = tl.arange(0, BLOCK_R)
-        t_ptrs = t_ptr + pairs[:, None] * stride_tm + offs_r[None, :]
+        t_rows = t_ptr + pairs * stride_tm
+        t_ptrs = t_rows[:, None] + offs_r[None, :]
         b_block = b_ptr + adapter.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
         b_base = b_block + offs_r[:, None] * stride_br
         row_ptrs = gate_up_ptr + pairs * stride_gm
@@ -658,7 +659,6 @@ def _act_kernel(
             if ROWS_ONLY:
                 pass
             elif RANK_CLASSES:
-                t_rows = t_ptr + pairs * stride_tm
                 if rank <= 16:
                     gate, up = _delta_in(gate, up, t_rows, pair_ok, rank, max_rank, b_block, stride_br, offs_n, n_ok,
                                          half_width, stride_bn, 16, RANK_GRANULE)
@@ -673,10 +673,8 @@ def _act_kernel(
                                           stride_bn, RANK_GRANULE)
             else:  # the block's own ranks, a tile at a time: a rank-8 block in a buffer of 64 does one
                 for r0 in range(0, rank, BLOCK_R):
-                    t_gate, t_up = _rank_tiles(t_ptrs + r0, pair_ok, offs_r, rank - r0, max_rank, RANK_GRANULE,
-                                               b_ptr.dtype.element_ty)
-                    gate, up = _add_rank_tile(gate, up, t_gate, t_up, b_base + r0 * stride_br, offs_n, n_ok, offs_r,
-                                              rank - r0, half_width, stride_bn, RANK_GRANULE)
+                    gate, up = _delta_in(gate, up, t_rows + r0, pair_ok, rank - r0, max_rank, b_block + r0 * stride_br,
+                                         stride_br, offs_n, n_ok, half_width, stride_bn, BLOCK_R, RANK_GRANULE)
             tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :],
                      (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
     else:
