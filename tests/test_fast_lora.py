@@ -807,6 +807,29 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]
 
 
+def one_kernel(problem, info):
+    """``run(out, gate_up_rows, tile)``: :func:`lora_moe.expand_silu_and_mul` on ``problem``'s batch (its routing in
+    blocks of 16 and the gate-up ranks of the fast shrink at the planned tile) at ``fused_act.TILE`` updated by
+    ``tile``; and the batch's adapter slots."""
+    tokens, topk = problem.topk_ids.shape
+    r = int(info.max_lora_rank)
+    ranks, enabled = info.lora_ranks.to(torch.int32), info.adapter_enabled.to(torch.int32)
+    slots = lora_path.token_adapters(info, tokens)
+    experts = info.gate_up_lora_b_weights.shape[1]
+    config = tuning.plan(tokens * topk, problem.hidden_states.shape[1], info.down_lora_a_weights.shape[3], experts,
+                         ranks.numel(), r).gate_up
+    routing = lora_moe.route(problem.topk_ids, slots, enabled, ranks, experts, 16)
+    t = lora_moe.shrink(problem.hidden_states, info.gate_up_lora_a_weights, routing, topk=topk, max_rank=r, halves=2,
+                        config=config)
+
+    def run(out, gate_up, tile):
+        lora_moe.expand_silu_and_mul(out, gate_up, t, info.gate_up_lora_b_weights, routing, topk_ids=problem.topk_ids,
+                                     token_lora=slots, enabled=enabled, ranks=ranks, max_rank=r,
+                                     tile={**fused_act.TILE, **tile})
+
+    return run, slots
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_RUN else pytest.mark.slow) for n in CASES
                                   if CASES[n].gated])
 @pytest.mark.parametrize("tile", [{}, {"BLOCK_R": 16}, {"BLOCK_N": 16, "N_TILES": 2, "BLOCK_MAJOR": True},
@@ -820,26 +843,16 @@ def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32
     their delta, then the activation: each within one step, neither always the closer)."""
     problem, info = make_case(name)
     tokens, topk = problem.topk_ids.shape
-    r = int(info.max_lora_rank)
     gen = torch.Generator().manual_seed(7)
     gate_up = torch.randn(tokens, topk, info.gate_up_lora_b_weights.shape[2], generator=gen).half()
     reference = gate_up.float()
     ReferenceLoRAHooks(info).after_gate_up(problem.hidden_states, reference, problem.topk_weights, problem.topk_ids)
     expected = silu_and_mul_reference(reference).view(tokens * topk, -1)
 
-    ranks, enabled = info.lora_ranks.to(torch.int32), info.adapter_enabled.to(torch.int32)
-    slots = lora_path.token_adapters(info, tokens)
-    experts = info.gate_up_lora_b_weights.shape[1]
-    config = tuning.plan(tokens * topk, problem.hidden_states.shape[1], info.down_lora_a_weights.shape[3], experts,
-                         ranks.numel(), r).gate_up
-    routing = lora_moe.route(problem.topk_ids, slots, enabled, ranks, experts, 16)
-    t = lora_moe.shrink(problem.hidden_states, info.gate_up_lora_a_weights, routing, topk=topk, max_rank=r, halves=2,
-                        config=config)
+    run, slots = one_kernel(problem, info)
     out = torch.full((tokens * topk, gate_up.shape[2] // 2), float("nan"), dtype=gate_up.dtype)
     before = gate_up.clone()
-    lora_moe.expand_silu_and_mul(out, gate_up.view(tokens * topk, -1), t, info.gate_up_lora_b_weights, routing,
-                                 topk_ids=problem.topk_ids, token_lora=slots, enabled=enabled, ranks=ranks, max_rank=r,
-                                 tile={**fused_act.TILE, **tile})
+    run(out, gate_up.view(tokens * topk, -1), tile)
     assert torch.equal(gate_up, before)  # read only
     error = float((out.float() - expected).abs().max() / expected.abs().max())
     hooked = silu_and_mul_reference(run_hooks_gate_up(gate_up, problem, info)).view(tokens * topk, -1)
@@ -857,9 +870,7 @@ def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32
     plain = silu_and_mul_reference(gate_up.float()).view(tokens * topk, -1)
     assert not torch.allclose(out.float(), plain, atol=1e-2)  # the delta is there
     if not tile:  # the benchmarks' rows-only variant: every pair's plain activation, in the same order of programs
-        lora_moe.expand_silu_and_mul(out, gate_up.view(tokens * topk, -1), t, info.gate_up_lora_b_weights, routing,
-                                     topk_ids=problem.topk_ids, token_lora=slots, enabled=enabled, ranks=ranks,
-                                     max_rank=r, tile={**fused_act.TILE, "ROWS_ONLY": True})
+        run(out, gate_up.view(tokens * topk, -1), {"ROWS_ONLY": True})
         torch.testing.assert_close(out.float(), plain, atol=ONE_FP16_STEP * plain.abs().max().item(), rtol=0)
 
 
@@ -869,24 +880,13 @@ def test_the_one_kernels_program_order_and_prefetch_leave_its_output_bit_for_bit
     so the one kernel's output is the same to the bit (``fused_act.tile`` switches the order by batch size)."""
     problem, info = make_case(name)
     tokens, topk = problem.topk_ids.shape
-    r = int(info.max_lora_rank)
     gate_up = torch.randn(tokens * topk, info.gate_up_lora_b_weights.shape[2],
                           generator=torch.Generator().manual_seed(3)).half()
-    ranks, enabled = info.lora_ranks.to(torch.int32), info.adapter_enabled.to(torch.int32)
-    slots = lora_path.token_adapters(info, tokens)
-    experts = info.gate_up_lora_b_weights.shape[1]
-    config = tuning.plan(tokens * topk, problem.hidden_states.shape[1], info.down_lora_a_weights.shape[3], experts,
-                         ranks.numel(), r).gate_up
-    routing = lora_moe.route(problem.topk_ids, slots, enabled, ranks, experts, 16)
-    t = lora_moe.shrink(problem.hidden_states, info.gate_up_lora_a_weights, routing, topk=topk, max_rank=r, halves=2,
-                        config=config)
+    run, _ = one_kernel(problem, info)
     outs = []
     for major, prefetch in ((False, False), (True, False), (False, True), (True, True)):
         out = torch.full((tokens * topk, gate_up.shape[1] // 2), float("nan"), dtype=gate_up.dtype)
-        lora_moe.expand_silu_and_mul(out, gate_up, t, info.gate_up_lora_b_weights, routing, topk_ids=problem.topk_ids,
-                                     token_lora=slots, enabled=enabled, ranks=ranks, max_rank=r,
-                                     tile={**fused_act.TILE, "BLOCK_N": 16, "N_TILES": 2, "BLOCK_MAJOR": major,
-                                           "PREFETCH": prefetch})
+        run(out, gate_up, {"BLOCK_N": 16, "N_TILES": 2, "BLOCK_MAJOR": major, "PREFETCH": prefetch})
         outs.append(out)
     assert not outs[0].isnan().any()
     assert all(torch.equal(outs[0], out) for out in outs[1:])
