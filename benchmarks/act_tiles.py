@@ -23,27 +23,25 @@ from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
 from harness import tables
 from sglang_lora_tma_guard import fused_act, lora_moe, lora_path, tuning
 
-TILES = ([(bn, n, w, 2, None, major, False, False) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))
+TILES = ([(bn, n, w, 2, None, major, False) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))
           for w in (4, 8) for major in (False, True)]
-         + [(bn, n, 4, 2, 16, major, False, False) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))
+         + [(bn, n, 4, 2, 16, major, False) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))
             for major in (False, True)]
-         + [(bn, n, w, 2, None, True, True, False) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))
+         + [(bn, n, w, 2, None, True, True) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))
             for w in (4, 8)]
-         + [(64, 1, 4, 2, None, False, True, False)]
-         + [(bn, n, w, 2, None, True, prefetch, True) for bn, n in ((32, 8), (64, 1)) for w in (4, 8)
-            for prefetch in (False, True)])
+         + [(64, 1, 4, 2, None, False, True)])
 """(BLOCK_N, column tiles a program, warps, stages, BLOCK_R: None for every rank in one tile, BLOCK_MAJOR: a block's
-column groups as neighbouring programs, PREFETCH: each column tile's rows loaded a tile ahead, RANK_CLASSES: a block's
-ranks in one tile of 16, 32 or 64, the smallest that holds them). The best of a first sweep
+column groups as neighbouring programs, PREFETCH: each column tile's rows loaded a tile ahead). The best of a first sweep
 (``benchmarks/results/lora_moe/act/``: 4, 8 column tiles of 32; 1, 2, 4, 6 of 64; 1, 2, 3 of 128; stages 2 and 3,
 the same within 1%) and one group of the whole width (12 tiles of 64, 6 of 128: Qwen3-30B-A3B at tp 1), in both
 program orders, with and without rank tiles of 16; then block by block with the rows asked for before the ranks and
-a tile ahead, and with rank classes."""
+a tile ahead. A block's ranks in a tile of its own size (16, 32 or 64) was slower at every batch measured and is
+withdrawn (``benchmarks/results/lora_moe/act/order/classes/``)."""
 
 
 def label(tile) -> str:
     return ("N{}x{} w{} s{}".format(*tile[:4]) + (f" R{tile[4]}" if tile[4] else "") + (" B" if tile[5] else "")
-            + (" P" if tile[6] else "") + (" C" if tile[7] else ""))
+            + (" P" if tile[6] else ""))
 
 
 def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES) -> dict:
@@ -73,9 +71,9 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES)
     variants = {"both": both, "shipped": one(fused_act.tile(rows.shape[0])), "silu": lambda: fused_moe.silu_and_mul(rows, out),
                 "rows only": one({**fused_act.tile(rows.shape[0]), "ROWS_ONLY": True})}
     for tile in tiles:
-        bn, n, w, s, block_r, major, prefetch, classes = tile
+        bn, n, w, s, block_r, major, prefetch = tile
         variants[label(tile)] = one({"BLOCK_N": bn, "N_TILES": n, "num_warps": w, "num_stages": s, "BLOCK_R": block_r,
-                                     "BLOCK_MAJOR": major, "PREFETCH": prefetch, "RANK_CLASSES": classes})
+                                     "BLOCK_MAJOR": major, "PREFETCH": prefetch})
     # Right on this GPU: each variant's output from fixed rows against the float32 activation of the rows plus the
     # expand's delta added in float32 (the same bf16 ranks and B), as a share of the largest value.
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -112,7 +110,7 @@ def markdown(rows, meta) -> str:
         "replay, best of 5 x 50 (interleaved). both: the gate-up expand (shipped tile) + SGLang's silu_and_mul; "
         "one kernel: lora_moe.expand_silu_and_mul at its shipped tile (fused_act.tile) and at its best tile (BLOCK_N x column "
         "tiles a program, warps, stages; R16: rank tiles of 16; B: a block's column groups as neighbouring programs; "
-        "P: rows loaded a tile ahead; C: rank classes); "
+        "P: rows loaded a tile ahead; C, in runs of 2026-12-07: a block's ranks in a tile of 16, 32 or 64, withdrawn); "
         "silu: SGLang's silu_and_mul alone on the same rows (no delta, rows in order: what the activation's bytes cost "
         "this GPU); rows only: the one kernel at its shipped tile without the delta (the rows in the routing's order).",
         "",

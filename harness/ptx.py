@@ -109,7 +109,7 @@ def act(num_warps: int = 4, num_stages: int = 2, **meta) -> dict:
     from sglang_lora_tma_guard import lora_moe
 
     constexprs = dict(TOPK=8, BLOCK_M=64, BLOCK_N=64, BLOCK_R=64, N_TILES=1, RANK_GRANULE=8, ONE_R_TILE=True,
-                      BLOCK_MAJOR=False, PREFETCH=False, ROWS_ONLY=False, RANK_CLASSES=False)
+                      BLOCK_MAJOR=False, PREFETCH=False, ROWS_ONLY=False)
     constexprs.update(meta)
     return compiled(lora_moe._act_kernel, types={"t_ptr": "*fp32", **dict.fromkeys(_INT32, "*i32"),
                                                  **dict.fromkeys(("topk_ids_ptr", "token_lora_ptr", "enabled_ptr",
@@ -228,7 +228,6 @@ CONFIGURATIONS = {
     "expand and activation": lambda: act(),
     "expand and activation, block by block, rows a tile ahead": lambda: act(BLOCK_N=32, N_TILES=8, BLOCK_MAJOR=True,
                                                                               PREFETCH=True),
-    "expand and activation, rank classes": lambda: act(RANK_CLASSES=True),
     "decode expand down": lambda: expand(BLOCK_R=16, ONE_R_TILE=False, N_TILES=1, MUL_ROUTED_WEIGHT=True,
                                          num_warps=4),
     "decode shrink gate-up": lambda: shrink(BLOCK_R=64),

@@ -612,8 +612,6 @@ def _act_kernel(
     PREFETCH: tl.constexpr,  # the first column tile's rows loaded before the ranks, each next one before the one
     # before it is computed and stored
     ROWS_ONLY: tl.constexpr = False,  # benchmarks only: no delta (the rows' traffic in the routing's order alone)
-    RANK_CLASSES: tl.constexpr = False,  # with ONE_R_TILE: a block's ranks in one tile of 16, 32 or BLOCK_R, the
-    # smallest that holds them
 ):
     """``out[pair, n] = silu(gate + dgate) * (up + dup)``, ``gate = gate_up[pair, n]``, ``up = gate_up[pair,
     half_width + n]``, each delta ``t[pair, half's ranks] @ B[adapter, expert, half's row n]`` (zero for a pair the
@@ -645,7 +643,7 @@ def _act_kernel(
         if PREFETCH:  # the first tile's rows asked for before the ranks
             offs_n = first + tl.arange(0, BLOCK_N)
             gate_next, up_next = _halves(row_ptrs, pair_ok, offs_n, offs_n < last, half_width)
-        if ONE_R_TILE and not ROWS_ONLY and not RANK_CLASSES:  # every rank in one tile: the block's ranks read once
+        if ONE_R_TILE and not ROWS_ONLY:  # every rank in one tile: the block's ranks read once
             t_gate, t_up = _rank_tiles(t_ptrs, pair_ok, offs_r, rank, max_rank, RANK_GRANULE, b_ptr.dtype.element_ty)
         for j in range(N_TILES):
             offs_n = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -658,16 +656,6 @@ def _act_kernel(
                 gate, up = _halves(row_ptrs, pair_ok, offs_n, n_ok, half_width)
             if ROWS_ONLY:
                 pass
-            elif RANK_CLASSES:
-                if rank <= 16:
-                    gate, up = _delta_in(gate, up, t_rows, pair_ok, rank, max_rank, b_block, stride_br, offs_n, n_ok,
-                                         half_width, stride_bn, 16, RANK_GRANULE)
-                elif rank <= 32:
-                    gate, up = _delta_in(gate, up, t_rows, pair_ok, rank, max_rank, b_block, stride_br, offs_n, n_ok,
-                                         half_width, stride_bn, 32, RANK_GRANULE)
-                else:
-                    gate, up = _delta_in(gate, up, t_rows, pair_ok, rank, max_rank, b_block, stride_br, offs_n, n_ok,
-                                         half_width, stride_bn, BLOCK_R, RANK_GRANULE)
             elif ONE_R_TILE:
                 gate, up = _add_rank_tile(gate, up, t_gate, t_up, b_base, offs_n, n_ok, offs_r, rank, half_width,
                                           stride_bn, RANK_GRANULE)
@@ -832,8 +820,7 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
     ``BLOCK_N``, ``N_TILES`` (column tiles a program), ``num_warps``, ``num_stages``, and ``BLOCK_R`` (ranks a
     tile; by default every rank in one), and switches, off unless given: ``BLOCK_MAJOR`` (a block's column groups as
     neighbouring programs, else a group's blocks), ``PREFETCH`` (each column tile's rows asked for a tile ahead, the
-    first before the ranks), ``RANK_CLASSES`` (with every rank in one tile: a block's ranks in a tile of 16, 32 or
-    the largest, the smallest that holds them), ``ROWS_ONLY`` (benchmarks: the delta left out)
+    first before the ranks), ``ROWS_ONLY`` (benchmarks: the delta left out)
     (:func:`~sglang_lora_tma_guard.fused_act.tile`)."""
     num_pairs = routing.num_pairs
     half_width = gate_up.shape[1] // 2
@@ -856,8 +843,7 @@ def expand_silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor, t: torch.Tenso
         gate_up.stride(0), out.stride(0),
         TOPK=topk, BLOCK_M=routing.block_m, BLOCK_N=tile["BLOCK_N"], BLOCK_R=block_r, N_TILES=tile["N_TILES"],
         RANK_GRANULE=rank_granule(max_rank), ONE_R_TILE=block_r >= max_rank, BLOCK_MAJOR=bool(tile.get("BLOCK_MAJOR")),
-        PREFETCH=bool(tile.get("PREFETCH")), ROWS_ONLY=bool(tile.get("ROWS_ONLY")),
-        RANK_CLASSES=bool(tile.get("RANK_CLASSES")) and block_r >= max_rank, num_warps=tile["num_warps"],
+        PREFETCH=bool(tile.get("PREFETCH")), ROWS_ONLY=bool(tile.get("ROWS_ONLY")), num_warps=tile["num_warps"],
         num_stages=tile["num_stages"],
     )
 

@@ -833,9 +833,9 @@ def one_kernel(problem, info):
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_RUN else pytest.mark.slow) for n in CASES
                                   if CASES[n].gated])
 @pytest.mark.parametrize("tile", [{}, {"BLOCK_R": 16}, {"BLOCK_N": 16, "N_TILES": 2, "BLOCK_MAJOR": True},
-                                  {"BLOCK_N": 16, "N_TILES": 3, "PREFETCH": True}, {"RANK_CLASSES": True}],
+                                  {"BLOCK_N": 16, "N_TILES": 3, "PREFETCH": True}],
                          ids=["ranks-in-one-tile", "rank-tiles-of-16", "block-major-groups-of-two-column-tiles",
-                              "three-column-tiles-each-loaded-a-tile-ahead", "rank-classes"])
+                              "three-column-tiles-each-loaded-a-tile-ahead"])
 def test_the_gate_up_expand_with_the_activation_is_the_activation_of_the_float32_delta(runners, name, tile):
     """:func:`lora_moe.expand_silu_and_mul` against ``silu(gate) * up`` of the gate-up rows plus the float32
     reference delta, in float32; every pair (those without a delta too). Tolerance: the fast hook's rows through the
