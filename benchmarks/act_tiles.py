@@ -23,12 +23,10 @@ from benchmarks._lora_setup import add_base_option, lora_batch, run_batches
 from harness import tables
 from sglang_lora_tma_guard import fused_act, lora_moe, lora_path, tuning
 
-TILES = ([(bn, n, w, 2, None, major, False) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))
-          for w in (4, 8) for major in (False, True)]
-         + [(bn, n, 4, 2, 16, major, False) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))
-            for major in (False, True)]
-         + [(bn, n, w, 2, None, True, True) for bn, n in ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))
-            for w in (4, 8)]
+_GROUPS = ((32, 8), (64, 1), (64, 6), (64, 12), (128, 6))  # (BLOCK_N, column tiles a program)
+TILES = ([(bn, n, w, 2, None, major, False) for bn, n in _GROUPS for w in (4, 8) for major in (False, True)]
+         + [(bn, n, 4, 2, 16, major, False) for bn, n in _GROUPS for major in (False, True)]
+         + [(bn, n, w, 2, None, True, True) for bn, n in _GROUPS for w in (4, 8)]
          + [(64, 1, 4, 2, None, False, True)])
 """(BLOCK_N, column tiles a program, warps, stages, BLOCK_R: None for every rank in one tile, BLOCK_MAJOR: a block's
 column groups as neighbouring programs, PREFETCH: each column tile's rows loaded a tile ahead). The best of a first sweep
@@ -37,6 +35,10 @@ the same within 1%) and one group of the whole width (12 tiles of 64, 6 of 128: 
 program orders, with and without rank tiles of 16; then block by block with the rows asked for before the ranks and
 a tile ahead. A block's ranks in a tile of its own size (16, 32 or 64) was slower at every batch measured and is
 withdrawn (``benchmarks/results/lora_moe/act/order/classes/``)."""
+
+
+NO_DELTA = ("silu", "rows only")
+"""The variants without the delta: timed, not scored, and not candidates for the best tile."""
 
 
 def label(tile) -> str:
@@ -68,8 +70,9 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES)
         return lambda: lora_moe.expand_silu_and_mul(out, rows, t, gb, routing, topk_ids=ids, token_lora=slots,
                                                     enabled=enabled, ranks=ranks, max_rank=r, tile=tile)
 
-    variants = {"both": both, "shipped": one(fused_act.tile(rows.shape[0])), "silu": lambda: fused_moe.silu_and_mul(rows, out),
-                "rows only": one({**fused_act.tile(rows.shape[0]), "ROWS_ONLY": True})}
+    shipped = fused_act.tile(rows.shape[0])
+    variants = {"both": both, "shipped": one(shipped), "silu": lambda: fused_moe.silu_and_mul(rows, out),
+                "rows only": one({**shipped, "ROWS_ONLY": True})}
     for tile in tiles:
         bn, n, w, s, block_r, major, prefetch = tile
         variants[label(tile)] = one({"BLOCK_N": bn, "N_TILES": n, "num_warps": w, "num_stages": s, "BLOCK_R": block_r,
@@ -85,7 +88,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES)
     expected = torch.nn.functional.silu(exact[:, :half]) * exact[:, half:]
     errors = {}
     for key, fn in variants.items():
-        if key in ("silu", "rows only"):  # no delta: timed only
+        if key in NO_DELTA:
             continue
         rows.copy_(start)
         out.fill_(float("nan"))
@@ -99,7 +102,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, tiles=TILES)
             except Exception as error:  # a tile past the GPU's resources
                 print(f"{key}: {type(error).__name__}: {str(error)[:120]}", flush=True)
     times = replay_times(graphs)
-    best = min((k for k in times if k not in ("both", "silu", "rows only")), key=times.get)
+    best = min((k for k in times if k != "both" and k not in NO_DELTA), key=times.get)
     return {"shape": name, "ranks": ranks_name, "tokens": tokens, "block_m": plan.block_m, "ms": times, "best": best,
             "err": errors}
 
@@ -117,7 +120,7 @@ def markdown(rows, meta) -> str:
         tables.markdown(["shape", "ranks", "tokens", "silu", "rows only", "both", "one kernel, shipped tile", "best tile",
                          "one kernel, best", "best / both", "error: both / shipped / worst tile"],
                         ([r["shape"], r["ranks"], r["tokens"], *(f"{r['ms'][k]:.3f}" if k in r["ms"] else "–"
-                                                                  for k in ("silu", "rows only")),
+                                                                  for k in NO_DELTA),
                           f"{r['ms']['both']:.3f}", f"{r['ms']['shipped']:.3f}",
                           r["best"], f"{r['ms'][r['best']]:.3f}", f"{r['ms'][r['best']] / r['ms']['both']:.2f}",
                           f"{r['err']['both']:.1e} / {r['err']['shipped']:.1e} / {max(r['err'].values()):.1e}"]
