@@ -230,27 +230,31 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
 
 
 @contextlib.contextmanager
-def fused_down(on: bool, act: bool = True, how: str | None = None):
+def fused_down(on: bool, act: bool = True, how: str | None = None, split_rank: int | None = None):
     """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``) and, with it unless
     ``act`` is False, the gate-up delta in the activation (``fused_act``, at every batch, whether or not
     ``fused_act.BY_FAST`` has ``=fast`` place it): the down GEMM placed where ``=fast`` places it, or with
     ``FUSED_DOWN=everywhere`` in the environment for every batch they cover (a tile ``=fast`` does not place, timed
     and scored against the float32 reference); ``FUSED_DOWN=everywhere-narrow``: every batch, each down GEMM one
-    column tile a program (``moe_gemm``'s narrow kernel at SGLang's tile) whatever its K. ``how``: one of these
-    instead of the environment's."""
+    column tile a program (``moe_gemm``'s narrow kernel at SGLang's tile) whatever its K; ``FUSED_DOWN=split-R``:
+    every batch, its epilogue taking the adapters up to rank R and the hook's expand the rest
+    (``fused_lora.SPLIT_FROM_ROUTES``). ``how``: one of these instead of the environment's; ``split_rank``: R
+    (every batch, whatever ``how`` says)."""
     import os
 
     from sglang_lora_tma_guard import fused_act, fused_lora
 
     how = how or os.environ.get("FUSED_DOWN", "placed")
+    if how.startswith("split-") and how[len("split-"):].isdigit():
+        how, split_rank = "everywhere", split_rank or int(how[len("split-"):])
     if how not in ("placed", "everywhere", "everywhere-narrow"):
-        raise SystemExit(f"FUSED_DOWN={how!r}: placed (the default), everywhere or everywhere-narrow")
+        raise SystemExit(f"FUSED_DOWN={how!r}: placed (the default), everywhere, everywhere-narrow or split-R (a rank)")
     tiles = fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES
     if on and how == "everywhere-narrow":
         narrow = ((fused_lora.MAX_RANK, 0, {}),)
         fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES = narrow, {}
     if on:
-        fused_lora.activate(everywhere=how != "placed")
+        fused_lora.activate(everywhere=how != "placed" or split_rank is not None, split_rank=split_rank)
         if act:
             fused_act.activate()
     else:

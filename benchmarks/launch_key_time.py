@@ -25,7 +25,7 @@ def expand_arguments() -> tuple:
     t, out = torch.zeros(8192, 64), torch.zeros(1024, 8, 2048, dtype=torch.bfloat16)
     b = torch.zeros(4, 128, 2048, 64, dtype=torch.bfloat16)
     ints = (torch.zeros(8704, dtype=torch.int32), torch.zeros(136, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
-    return (t, b, out, torch.zeros(8192), *ints, 8192, 2048, 128, 64, t.stride(0), *b.stride(), *out.stride())
+    return (t, b, out, torch.zeros(8192), *ints, 8192, 2048, 128, 64, 0, t.stride(0), *b.stride(), *out.stride())
 
 
 def main(argv=None) -> int:

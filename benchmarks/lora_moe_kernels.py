@@ -15,7 +15,8 @@ Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 
   down GEMM's epilogue where ``sglang_lora_tma_guard.fused_lora`` takes the batch and the gate-up expand in the
   activation where ``sglang_lora_tma_guard.fused_act`` does (``fused``; ``fused, gate-up hooked``: the same with
   the gate-up expand left in its hook, what ``SGLANG_LORA_TMA_GUARD=fast`` serves while ``fused_act.BY_FAST`` is
-  off);
+  off); with ``--split-rank R`` also ``fused, split``: the fused down launch at every batch, its epilogue taking the
+  adapters up to rank R and the hook's expand the others (``fused_lora.SPLIT_FROM_ROUTES``);
 - each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
   gate-up shrink and expand, the down shrink and expand;
 - the gate-up side after the gate-up GEMM: the hook's expand, SGLang's activation, and the two in one kernel;
@@ -189,7 +190,7 @@ def floor_ms(nbytes: float, flops: float = 0.0) -> float:
     return max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e3
 
 
-def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
+def measure(capture_mode, name, shape, ranks_name, tokens, weights, split_rank: int | None = None) -> dict:
     from sglang.srt.lora import lora_moe_runners as runners
 
     original = runners.build_lora_hooks
@@ -229,13 +230,15 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
                 "one_stream": lambda h: one_stream(lambda: lora_path.build_hooks(original, h, info, ids))}
 
     def whole(kind: str):
-        with fused_down(kind in ("fused", "fused_no_act"), act=kind == "fused"):
+        with fused_down(kind in ("fused", "fused_no_act", "fused_split"), act=kind != "fused_no_act",
+                        split_rank=split_rank if kind == "fused_split" else None):
             return real_lora.run_runner(problem, None, use_tma=use_tma, build=builders.get(kind, builders["fast"]))
 
     guard.activate(weight_tma=True)
     with capture_mode():
-        graphs = {kind: capture(lambda k=kind: whole(k))[0]
-                  for kind in ("nohook", "default", "fast", "one_stream", "fused", "fused_no_act")}
+        wholes = ("nohook", "default", "fast", "one_stream", "fused", "fused_no_act") + (("fused_split",) if split_rank
+                                                                                           else ())
+        graphs = {kind: capture(lambda k=kind: whole(k))[0] for kind in wholes}
         graphs.update({kernel: capture(fn)[0] for kernel, fn in kernels.items()})
     times = replay_times(graphs)
     del graphs
@@ -263,6 +266,9 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     row["fast_over_fused_floor"] = times["fast"] / row["fused_floor_ms"]
     row["one_stream_over_fused_floor"] = times["one_stream"] / row["fused_floor_ms"]
     row["fused_over_fused_floor"] = times["fused"] / row["fused_floor_ms"]
+    if split_rank:
+        row["split_rank"], row["ms_fused_split"] = split_rank, times["fused_split"]
+        row["fused_split_over_fused_floor"] = times["fused_split"] / row["fused_floor_ms"]
     return row
 
 
@@ -293,6 +299,7 @@ def markdown(rows, meta) -> str:
               ms(r.get("ms_fused_no_act")), ms(r["ms_fused"]),
               f"**{r['fused_over_fused_floor']:.2f}**"]
              for r in rows)),
+        *split_table(rows),
         "",
         "The fused down GEMM's parts (ms): SGLang's down GEMM; this package's fp8 quantization of its input, its "
         "down GEMM without LoRA (weights by plain loads; by TMA as SGLang takes them) and with the LoRA epilogue, "
@@ -320,12 +327,32 @@ def markdown(rows, meta) -> str:
     ]) + "\n"
 
 
+def split_table(rows) -> list[str]:
+    """The whole call with the fused down launch split by rank, beside the fused one (``--split-rank``)."""
+    rows = [r for r in rows if "ms_fused_split" in r]
+    if not rows:
+        return []
+    return ["", "The whole call with the fused down launch at every batch, its epilogue taking the adapters up to the "
+            "split rank and the hook's expand the others (fused, split), beside the fused call (ms).", "",
+            tables.markdown(["shape", "ranks", "tokens", "split rank", "fast", "fused", "fused, split", "fused floor",
+                             "fused / fused floor", "split / fused floor"],
+                            ([r["shape"], r["ranks"], r["tokens"], r["split_rank"], f"{r['ms_fast']:.3f}",
+                              f"{r['ms_fused']:.3f}", f"{r['ms_fused_split']:.3f}", f"{r['fused_floor_ms']:.3f}",
+                              f"{r['fused_over_fused_floor']:.2f}", f"**{r['fused_split_over_fused_floor']:.2f}**"]
+                             for r in rows))]
+
+
 def main(argv=None) -> int:
+    import functools
+
     parser = benchmark_parser(__doc__, TOKENS)
     add_base_option(parser)
     parser.add_argument("--rank-sets", nargs="+", default=None,
                         help="mixed, or rN (four adapters of rank N); default mixed and r16 (GLM-5.1), mixed (others)")
-    return run_batches(parser.parse_args(argv), "lora_moe_kernels", measure, markdown,
+    parser.add_argument("--split-rank", type=int, default=None,
+                        help="also time the whole call with the fused down launch split at this rank (fused, split)")
+    args = parser.parse_args(argv)
+    return run_batches(args, "lora_moe_kernels", functools.partial(measure, split_rank=args.split_rank), markdown,
                        hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS)
 
 

@@ -93,7 +93,12 @@ fused against unfused (SGLang's down GEMM + the fast down hook), ms:
 
 Other widths are not measured.
 """
+SPLIT_FROM_ROUTES: dict[int, tuple[int, int]] = {}
+"""Where :data:`FASTER_FROM_ROUTES` takes no batch of a max rank at a K: (a rank R, from that many routes) there the
+fused down launch takes the adapters up to rank R in its epilogue (the tile of rank R), and the hook's expand then
+adds only the others' deltas, over their routes (a read-modify-write of their rows alone). Measured: none yet."""
 _everywhere = False
+_split_rank: int | None = None
 _failed: dict[tuple, str] = {}
 """Down GEMMs (:meth:`DownWork.key`) whose fused launch raised in this process, and why: refused from then on
 (logged once), not tried again at every call."""
@@ -125,7 +130,10 @@ class DownWork:
     enabled: torch.Tensor
     ranks: torch.Tensor
     max_rank: int
-    shrink_tiles: object
+    tiles: object
+    """The down hook's tiles (``tuning.plan``'s ``down``): the shrink's, and the expand's where it adds a part."""
+    epilogue_rank: int
+    """The highest rank the epilogue adds (:func:`epilogue_rank`); the adapters past it, the hook's expand."""
     done: torch.Tensor | None = None
     """The down buffer a fused launch wrote, delta included."""
 
@@ -136,7 +144,8 @@ class DownWork:
 
     def key(self, a: dict) -> tuple:
         """What a fused launch compiles for: the weights' shape and dtypes, SGLang's tile, the max rank."""
-        return (tuple(a["B"].shape), a["B"].dtype, a["A"].dtype, tuple(sorted(a["config"].items())), self.max_rank)
+        return (tuple(a["B"].shape), a["B"].dtype, a["A"].dtype, tuple(sorted(a["config"].items())), self.max_rank,
+                self.epilogue_rank)
 
     def refusal(self, a: dict) -> str | None:
         """Why this launch is not this batch's down GEMM in a covered form, or None."""
@@ -165,8 +174,8 @@ class DownWork:
             return f"weights in {B.dtype} with activations in {A.dtype}"
         if A.dtype != C.dtype or self.lora_b.dtype != C.dtype:
             return "LoRA weights in another dtype than the activations"
-        if self.max_rank > MAX_RANK:
-            return f"LoRA rank {self.max_rank} (the fused epilogue takes up to {MAX_RANK})"
+        if self.epilogue_rank > MAX_RANK:
+            return f"LoRA rank {self.epilogue_rank} (the fused epilogue takes up to {MAX_RANK})"
         if not _everywhere and not a["use_fp8_w8a8"]:
             return ("16-bit experts (over them the fused down GEMM measured 1-3% faster at most, up to rank 32 from "
                     "2048 tokens, and slower with ranks up to 64: one H100)")
@@ -180,18 +189,21 @@ class DownWork:
         (:func:`~sglang_lora_tma_guard.moe_gemm.order_by_adapter`; a block may still hold several adapters:
         the epilogue adds each row's own delta), one block against several column tiles a program
         (:data:`WIDE_TILES`) where K is short enough (:func:`~sglang_lora_tma_guard.moe_gemm.moe_gemm`'s
-        ``n_tiles``: the block's rows, scales and ranks read once for all its tiles)."""
+        ``n_tiles``: the block's rows, scales and ranks read once for all its tiles). Adapters past
+        ``epilogue_rank`` are off in the epilogue; the hook's expand adds theirs after it."""
         from . import lora_moe
         from .moe_gemm import LoRAEpilogue, moe_gemm, order_by_adapter, quantize_per_group
 
         A, B, C = a["A"], a["B"], a["C"]
         tokens, topk = self.topk_ids.shape
         t = lora_moe.shrink(A, self.lora_a, self.routing, topk=topk, max_rank=self.max_rank, halves=1,
-                            config=self.shrink_tiles)
+                            config=self.tiles)
+        split = self.epilogue_rank < self.max_rank
+        enabled = self.enabled * (self.ranks <= self.epilogue_rank) if split else self.enabled
         fp8 = bool(a["use_fp8_w8a8"])
         group_n, group_k = a["block_shape"] if fp8 else (1, None)
         x, x_scale = quantize_per_group(A, group_k) if fp8 else (A, None)
-        gemm_tile, n_tiles = wide_tile(a["config"], group_k, A.shape[1], self.max_rank, B.element_size(),
+        gemm_tile, n_tiles = wide_tile(a["config"], group_k, A.shape[1], self.epilogue_rank, B.element_size(),
                                        shared_bytes_of(C.device))
         # SGLang's list holds each expert's routes in the order its atomics took them: about every adapter in
         # every block, each adding a GEMM to the block's epilogue. Ordered, a block holds one or two.
@@ -201,10 +213,13 @@ class DownWork:
                  bias=None, topk_weights=a["topk_weights"].view(-1), sorted_ids=sorted_ids,
                  expert_ids=a["expert_ids"], num_post_padded=a["num_tokens_post_padded"], routes_per_a_row=1,
                  mul_routed_weight=True, tile=gemm_tile, scale_block_n=group_n, topk=topk,
-                 lora=LoRAEpilogue(t, self.lora_b, self.token_lora, self.enabled, self.ranks,
-                                   self.routing.num_experts, self.max_rank),
+                 lora=LoRAEpilogue(t, self.lora_b, self.token_lora, enabled, self.ranks, self.routing.num_experts,
+                                   self.max_rank, rank_limit=self.epilogue_rank if split else None),
                  weights_by_tma=bool(a.get("b_use_tma")),  # where SGLang would take them by TMA itself
                  n_tiles=n_tiles)
+        if split:
+            lora_moe.expand(C, t, self.lora_b, self.routing, max_rank=self.max_rank, halves=1,
+                            topk_weights=a["topk_weights"], config=self.tiles, rank_above=self.epilogue_rank)
         self.done = C
 
 
@@ -277,20 +292,28 @@ def _take_offer() -> DownWork | None:
     return work
 
 
-def ready(routes: int, max_rank: int, k: int) -> bool:
+def epilogue_rank(routes: int, max_rank: int, k: int) -> int | None:
     """Would a fused down launch be taken here now for a batch of ``routes`` routes (tokens x top-k), adapters up
-    to ``max_rank`` and a down GEMM of K ``k``? (The launcher placed and on, no compilation; placed by ``=fast``,
-    only where it is measured faster.) Asked for every fast batch: a few reads while nothing placed it, as in
-    every server."""
+    to ``max_rank`` and a down GEMM of K ``k``, and for the adapters up to which rank: ``max_rank`` (all), a lower
+    rank (:data:`SPLIT_FROM_ROUTES`: the hook's expand adds the rest), or None (not taken). The launcher placed and
+    on, no compilation; placed by ``=fast``, only where it is measured faster. Asked for every fast batch: a few
+    reads while nothing placed it, as in every server."""
     if not PATCH.wanted:
-        return False
-    if not _everywhere:
-        from_routes = next((n for rank, n in FASTER_FROM_ROUTES.get(k, ()) if max_rank <= rank), None)
-        if from_routes is None or routes < from_routes:
-            return False
+        return None
+    rank = _placed(routes, max_rank, k) if not _everywhere else min(max_rank, _split_rank or max_rank)
+    if rank is None:
+        return None
     import torch
 
-    return not torch.compiler.is_compiling() and PATCH.status().working  # Dynamo never reads the lock
+    return rank if not torch.compiler.is_compiling() and PATCH.status().working else None  # Dynamo never reads the lock
+
+
+def _placed(routes: int, max_rank: int, k: int) -> int | None:
+    from_routes = next((n for rank, n in FASTER_FROM_ROUTES.get(k, ()) if max_rank <= rank), None)
+    if from_routes is not None and routes >= from_routes:
+        return max_rank
+    rank, from_routes = SPLIT_FROM_ROUTES.get(k, (max_rank, None))
+    return rank if rank < max_rank and from_routes is not None and routes >= from_routes else None
 
 
 def _make(original, engaged: Engaged):
@@ -350,16 +373,17 @@ def _is_default(value, default) -> bool:
 PATCH = Patch("fused LoRA down GEMM", MODULE, NAME, _make)
 
 
-def activate(everywhere: bool = False) -> None:
+def activate(everywhere: bool = False, split_rank: int | None = None) -> None:
     """Place the fused down launch: for the batches where it is measured faster (``=fast`` does so), or with
-    ``everywhere`` for every batch it covers (tests, benchmarks)."""
-    global _everywhere
-    _everywhere = everywhere
+    ``everywhere`` for every batch it covers (tests, benchmarks), the epilogue taking the adapters up to
+    ``split_rank`` where given (the hook's expand the rest)."""
+    global _everywhere, _split_rank
+    _everywhere, _split_rank = everywhere, split_rank
     PATCH.activate()
 
 
 def deactivate() -> None:
-    global _everywhere
-    _everywhere = False
+    global _everywhere, _split_rank
+    _everywhere, _split_rank = False, None
     _failed.clear()
     PATCH.deactivate()

@@ -416,8 +416,8 @@ def _expand_kernel(
     # the routing's sorted (rows,), block_key (blocks,), rows_used (1,).
     t_ptr, b_ptr, out_ptr, weights_ptr,
     sorted_ptr, block_key_ptr, rows_used_ptr,
-    # Sizes.
-    num_pairs, half_width, num_experts, max_rank,
+    # Sizes; rank_above: blocks of adapters up to that rank add nothing (another kernel added theirs).
+    num_pairs, half_width, num_experts, max_rank, rank_above,
     # Strides.
     stride_tm, stride_bl, stride_be, stride_bn, stride_br, stride_ot, stride_ok, stride_on,
     # Meta-parameters.
@@ -434,6 +434,8 @@ def _expand_kernel(
     if pid_m * BLOCK_M >= used:
         return
     adapter, expert, rank = _unpack(key, num_experts)
+    if rank <= rank_above:
+        return
     tiles = tl.cdiv(half_width, BLOCK_N)
     groups = tl.cdiv(tiles, N_TILES)
     half = pid_n // groups  # gate (0) or up (1) half of a gated gate-up; always 0 otherwise
@@ -793,15 +795,17 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, *, topk: int
 
 
 def expand(out: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, routing: Routing, *,
-           max_rank: int, halves: int, topk_weights: torch.Tensor | None, config: StageConfig) -> None:
-    """The second GEMM, added into ``out`` (each half from its own ranks)."""
+           max_rank: int, halves: int, topk_weights: torch.Tensor | None, config: StageConfig,
+           rank_above: int = 0) -> None:
+    """The second GEMM, added into ``out`` (each half from its own ranks); with ``rank_above``, only for the
+    adapters of a higher rank (the fused down launch's epilogue added the others')."""
     c = config
     half_width = out.shape[2] // halves
     weights = topk_weights.reshape(-1) if topk_weights is not None else t
     groups = cdiv(cdiv(half_width, c.expand_block_n), c.expand_n_tiles)
     launcher(_expand_kernel)[(routing.max_blocks, halves * groups)](
         t, lora_b, out, weights, routing.sorted_ids, routing.block_key, routing.rows_used,
-        routing.num_pairs, half_width, routing.num_experts, max_rank,
+        routing.num_pairs, half_width, routing.num_experts, max_rank, rank_above,
         t.stride(0), lora_b.stride(0), _expert_stride(lora_b), lora_b.stride(2), lora_b.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         TOPK=out.shape[1], MUL_ROUTED_WEIGHT=topk_weights is not None,

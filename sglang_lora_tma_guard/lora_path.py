@@ -157,9 +157,10 @@ def build_hooks(original, hidden_states, lora_info, topk_ids):
     shape = tuple(topk_ids.shape)
     theirs = []
     down_work = None
-    if fused_lora.ready(tokens * topk, r, lora_info.down_lora_a_weights.shape[3]):
+    epilogue_rank = fused_lora.epilogue_rank(tokens * topk, r, lora_info.down_lora_a_weights.shape[3])
+    if epilogue_rank is not None:
         down_work = fused_lora.DownWork(topk_ids, lora_info.down_lora_a_weights, lora_info.down_lora_b_weights,
-                                        routing, token_lora, enabled, ranks, r, tiles.down)
+                                        routing, token_lora, enabled, ranks, r, tiles.down, epilogue_rank)
 
     def sglang_hooks():  # built only if a call comes with buffers this batch's routing does not fit
         if not theirs:

@@ -673,7 +673,9 @@ class LoRAEpilogue:
     """What the epilogue adds: ``t`` (routes, halves * max_rank) float32 ranks from the shrink;
     ``lora_b`` (slots, ``experts`` or 1, N, max_rank), ``experts`` the experts the LoRA buffers hold;
     ``token_lora`` (tokens,), ``enabled`` and ``ranks`` (slots,) int32; ``halves``: 2 for a gated
-    gate-up (gate columns from the gate ranks, up from the up ranks), else 1."""
+    gate-up (gate columns from the gate ranks, up from the up ranks), else 1. ``rank_limit``: the highest
+    rank among the adapters ``enabled`` leaves on, where it is below ``max_rank``: the epilogue's rank tile
+    holds that many (a slot of a higher rank left on would lose its ranks past it)."""
 
     t: torch.Tensor
     lora_b: torch.Tensor
@@ -683,9 +685,10 @@ class LoRAEpilogue:
     experts: int
     max_rank: int
     halves: int = 1
+    rank_limit: int | None = None
 
     def block_r(self) -> int:
-        return rank_tile(self.max_rank)
+        return rank_tile(self.rank_limit or self.max_rank)
 
 
 @dataclass(frozen=True)

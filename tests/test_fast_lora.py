@@ -456,7 +456,7 @@ def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglan
     low, mixed = make_case("mixed-ranks-top2", seed=1, ranks=(8, 16, 4, 16)), make_case("mixed-ranks-top2", seed=1)
     k = low[0].w2.shape[2]  # the tiny case's
     monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", {k + 1: ((8, 1), (16, 1), (32, 1))})  # not at its K
-    assert not fused_lora.ready(TOKENS * 2, 16, k) and fused_lora.ready(TOKENS * 2, 16, k + 1)
+    assert fused_lora.epilogue_rank(TOKENS * 2, 16, k) is None and fused_lora.epilogue_rank(TOKENS * 2, 16, k + 1) == 16
     other_k = real_lora.run_runner(low[0], real_lora.lora_hooks(*low), use_tma=True)
     assert tiny_moe.rel_err(other_k, expected_moe(low[0], ReferenceLoRAHooks(low[1]))) < 1e-2
     assert taken == []
@@ -470,6 +470,55 @@ def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglan
     assert tiny_moe.rel_err(outputs["low", TOKENS * 2], outputs["low", TOKENS * 2 + 1]) > 0  # a GEMM of its own
     fused_lora.deactivate()
     assert not fused_lora.PATCH.status().working
+
+
+@pytest.mark.parametrize("split_rank", [16, 32])
+def test_a_split_fused_down_launch_adds_the_low_ranks_in_its_epilogue_and_the_rest_by_the_hooks_expand(
+        sglang_plugins, runners, monkeypatch, split_rank):
+    """Adapters of ranks 8/16/32/64 with the epilogue taking those up to ``split_rank`` (its rank tile that size) and
+    the hook's expand only the others, over their routes alone: through SGLang's runner, as right against the float32
+    reference MoE as the unfused fast path. Without the expand, or with the epilogue adding every adapter at the
+    smaller tile, the call is wrong."""
+    from sglang_lora_tma_guard import fused_lora, lora_moe, moe_gemm
+
+    problem, info = make_case("mixed-ranks-top2", seed=1)
+    epilogues, expands = [], []
+    gemm, expand = moe_gemm.moe_gemm, lora_moe.expand
+    monkeypatch.setattr(moe_gemm, "moe_gemm", lambda *a, **k: epilogues.append(
+        (k["lora"].block_r(), k["lora"].enabled.tolist())) or gemm(*a, **k))
+    monkeypatch.setattr(lora_moe, "expand", lambda *a, **k: expands.append((a[0].shape[2], k.get("rank_above", 0)))
+                        or expand(*a, **k))
+    reference = expected_moe(problem, ReferenceLoRAHooks(info))
+    sglang_plugins("fast")
+    fused_lora.activate(everywhere=True, split_rank=split_rank)
+    try:
+        split = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    finally:
+        fused_lora.deactivate()
+    assert epilogues == [(split_rank, [int(r <= split_rank) for r in CASES["mixed-ranks-top2"].ranks])]
+    hidden = problem.w2.shape[1]  # the down side's only expand: the fused launch's, for the ranks past it
+    assert [above for width, above in expands if width == hidden] == [split_rank]
+    unfused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
+    split_err, unfused_err = tiny_moe.rel_err(split, reference), tiny_moe.rel_err(unfused, reference)
+    assert split_err < 1e-2 and split_err <= unfused_err + ONE_FP16_STEP, (split_err, unfused_err)
+
+
+def test_fast_splits_the_fused_down_launch_by_rank_where_the_table_says(sglang_plugins, runners, monkeypatch):
+    """``SPLIT_FROM_ROUTES``: a batch whose max rank no rank of ``FASTER_FROM_ROUTES`` covers at its K takes the fused
+    launch for the adapters up to the rank it names, from the routes it names, and not short of them; a batch the
+    whole launch covers keeps it whole."""
+    from sglang_lora_tma_guard import fused_lora
+
+    sglang_plugins("fast")
+    k = 128
+    monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", {k: ((16, 100),)})
+    monkeypatch.setattr(fused_lora, "SPLIT_FROM_ROUTES", {k: (32, 200)})
+    assert [fused_lora.epilogue_rank(routes, 64, k) for routes in (199, 200)] == [None, 32]
+    assert [fused_lora.epilogue_rank(routes, 16, k) for routes in (99, 100, 200)] == [None, 16, 16]
+    assert fused_lora.epilogue_rank(200, 32, k) is None  # up to 32 is the split's own tile: not a split
+    assert fused_lora.epilogue_rank(200, 64, k + 1) is None
+    fused_lora.deactivate()
+    assert fused_lora.epilogue_rank(200, 64, k) is None
 
 
 @pytest.mark.parametrize(("k", "max_rank", "block_n", "stages", "k_loop", "n_tiles"), [
