@@ -93,10 +93,20 @@ fused against unfused (SGLang's down GEMM + the fast down hook), ms:
 
 Other widths are not measured.
 """
-SPLIT_FROM_ROUTES: dict[int, tuple[int, int]] = {}
+SPLIT_FROM_ROUTES: dict[int, tuple[int, int]] = {256: (32, 65536)}
 """Where :data:`FASTER_FROM_ROUTES` takes no batch of a max rank at a K: (a rank R, from that many routes) there the
 fused down launch takes the adapters up to rank R in its epilogue (the tile of rank R), and the hook's expand then
-adds only the others' deltas, over their routes (a read-modify-write of their rows alone). Measured: none yet."""
+adds only the others' deltas, over their routes (a read-modify-write of their rows alone). The whole hooked call,
+split at 32 against the hooks (and the gate-up work in the activation), one H100
+(``benchmarks/results/lora_moe/split/``, ``lora_moe_kernels.py --split-rank 32``):
+
+- K 256 (GLM-5.1 TP8), ranks 8/16/32/64: 2.73 against 3.27 ms at 8192 tokens, 1.94 / 2.09 at 4096, 1.36 / 1.40 at
+  2048; all four of rank 64 (nothing in the epilogue: this package's GEMM, then the expand) 3.56 / 3.70 at 8192,
+  2.37 / 2.45 at 4096. Taken from 8192 tokens, as the whole launch's H100 figures are.
+- K 384 (Qwen3-30B-A3B tp 2): mixed 1.20 / 1.33 at 8192 tokens, 0.70 / 0.73 at 4096; all of rank 64 slower
+  (1.47 / 1.43 at 8192): not taken.
+- K 768 (tp 1): the whole launch faster at 8192 tokens (1.80 against 1.81 split), split 3% faster at 4096: not
+  taken. At 16, split at 16 instead of 32: slower at 8192 tokens on every shape, within 2% elsewhere."""
 _everywhere = False
 _split_rank: int | None = None
 _failed: dict[tuple, str] = {}
