@@ -202,6 +202,33 @@ def test_the_shipped_tiles_name_only_known_tiles_in_rising_buckets():
                 assert set(entry[hook]) <= names, set(entry[hook]) - names
 
 
+def test_a_gpu_the_tiles_do_not_name_takes_the_tiles_it_is_measured_faster_with(monkeypatch, tmp_path):
+    """An H100 SXM takes the H200's tiles (``tuning.TILES_OF``); a GPU of its own in the data, its own; any other GPU
+    the rule of thumb."""
+    import json
+
+    table = tuning._table(None)
+    shape, buckets = next(iter(table["NVIDIA H200"].items()))
+    hidden, intermediate, experts, rank = (int(part.split("=")[1]) for part in shape.split())
+    sizes = (buckets[-1]["max_pairs"], hidden, intermediate, experts, 4, rank)
+    last = buckets[-1]
+    h200 = tuning.Plan(last["block_m"], tuning._stage(last["gate_up"]), tuning._stage(last["down"]))
+    own = tmp_path / "tiles.json"
+    own.write_text(json.dumps({**table, "NVIDIA H100 80GB HBM3": {shape: [{**last, "block_m": 16}]}}))
+    plans = {}
+    for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"):
+        monkeypatch.setattr(tuning, "_gpu", lambda gpu=gpu: gpu)
+        tuning._plan.cache_clear()  # cached by shape: one GPU a process
+        plans[gpu] = tuning._plan(*sizes, None)
+        if gpu == "NVIDIA H100 80GB HBM3":
+            assert tuning._plan(*sizes, str(own)).block_m == 16  # its own tiles before another's
+    none = tmp_path / "none.json"
+    none.write_text("{}")
+    assert plans["NVIDIA H200"] == plans["NVIDIA H100 80GB HBM3"] == h200
+    assert plans["NVIDIA H100 PCIe"] == tuning._plan(*sizes, str(none)) != h200  # the rule of thumb
+    tuning._plan.cache_clear()
+
+
 ONE_KERNEL = lora_moe.StageConfig(one_kernel=True, shrink_block_k=64, expand_block_n=32, expand_n_tiles=3)
 
 
