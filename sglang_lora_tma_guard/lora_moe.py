@@ -354,8 +354,8 @@ def _shrink_kernel(
     # float32, out; the routing's sorted (rows,), block_key (blocks,), rows_used (1,).
     x_ptr, a_ptr, t_ptr,
     sorted_ptr, block_key_ptr, rows_used_ptr,
-    # Sizes.
-    num_pairs, K, num_experts, max_rank,
+    # Sizes; rank_tiles: programs a block (max_rank / BLOCK_R, rounded up).
+    num_pairs, K, num_experts, max_rank, rank_tiles,
     # Strides.
     stride_xm, stride_xk, stride_al, stride_ae, stride_ar, stride_ak, stride_tm,
     # Meta-parameters.
@@ -365,8 +365,10 @@ def _shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """``t[pair, half * max_rank + r] = sum_k x[pair's row, k] * A[adapter, expert, half * max_rank + r, k]``
-    for the ranks r below the adapter's own; grid (blocks, rank tiles, split-K)."""
-    pid_m, pid_r, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    for the ranks r below the adapter's own; grid (blocks x rank tiles, split-K), a block's rank tiles side by side
+    (its rows of x read from DRAM once for all of them, and its key's next block close behind)."""
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_r = pid // rank_tiles, pid % rank_tiles
     key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
     if pid_m * BLOCK_M >= used:
         return
@@ -782,9 +784,10 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, *, topk: int
     pairs_per_x = topk if x.shape[0] != num_pairs else 1
     alloc = torch.zeros if c.split_k > 1 else torch.empty
     t = alloc(num_pairs, halves * max_rank, dtype=torch.float32, device=x.device)
-    launcher(_shrink_kernel)[(routing.max_blocks, cdiv(max_rank, c.shrink_block_r), c.split_k)](
+    rank_tiles = cdiv(max_rank, c.shrink_block_r)
+    launcher(_shrink_kernel)[(routing.max_blocks * rank_tiles, c.split_k)](
         x, lora_a, t, routing.sorted_ids, routing.block_key, routing.rows_used,
-        num_pairs, x.shape[1], routing.num_experts, max_rank,
+        num_pairs, x.shape[1], routing.num_experts, max_rank, rank_tiles,
         x.stride(0), x.stride(1), lora_a.stride(0), _expert_stride(lora_a), lora_a.stride(2), lora_a.stride(3),
         t.stride(0),
         PAIRS_PER_X=pairs_per_x, GATED=halves == 2, SPLIT_K=c.split_k,
