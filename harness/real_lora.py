@@ -133,11 +133,23 @@ def make_lora_info(problem: MoEProblem, adapters: Adapters | None = None, *, see
                 w[slot, :, :, r:] = adapters.padding
         return w
 
+    def owned_past_the_end(w):
+        """``w`` at the start of an allocation of NaN that holds the runner's every expert: SGLang's default path
+        reads a fused shared expert's weights past a buffer of fewer experts (under Triton's interpreter, memory the
+        process may not own: a crash, not a wrong delta). NaN there, so its delta is wrong and says so."""
+        past = (problem.num_experts - w.shape[1]) * w[0, 0].numel() if w.shape[1] == experts else 0
+        if past <= 0:
+            return w
+        held = torch.full((w.numel() + past,), float("nan"), device=device, dtype=dtype)
+        held[: w.numel()] = w.flatten()
+        return held[: w.numel()].view(w.shape)
+
     shared, halves = adapters.shared_outer, 2 if adapters.gated else 1
     gate_up_a = torch.cat([weights(rank, hidden, True, shared) for _ in range(halves)], dim=2)  # gate, up
     gate_up_b = weights(halves * intermediate, rank, False)
     down_a = weights(rank, intermediate, True)
     down_b = weights(hidden, rank, False, shared)
+    gate_up_a, gate_up_b, down_a, down_b = map(owned_past_the_end, (gate_up_a, gate_up_b, down_a, down_b))
 
     segments, owners = _segments(tokens, adapters)
     seg_indptr = torch.tensor([0, *torch.tensor(segments).cumsum(0).tolist()], dtype=torch.int32)
