@@ -1,0 +1,42 @@
+"""The shipped tiles with some fields changed, under this GPU's name: a file for ``SGLANG_LORA_TMA_GUARD_TILES``,
+to time a tile field against the shipped tiles on one machine.
+
+    python -m benchmarks.tiles_with OUT.json [--from-pairs N] HOOK.FIELD=VALUE ...
+
+``HOOK``: ``gate_up`` or ``down``; every bucket of every shape from ``N`` pairs (tokens x topk) on gets the values.
+The tiles are the ones ``tuning`` would take here (this GPU's own, or those of the GPU ``tuning.TILES_OF`` names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    from sglang_lora_tma_guard import tuning
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("changes", nargs="+", help="HOOK.FIELD=VALUE (an int)")
+    parser.add_argument("--from-pairs", type=int, default=0)
+    args = parser.parse_args(argv)
+    table, gpu = tuning._table(None), tuning._gpu()
+    shapes = table.get(gpu) or table[tuning.TILES_OF.get(gpu, "NVIDIA H200")]
+    for change in args.changes:
+        name, value = change.split("=")
+        hook, field = name.split(".")
+        for buckets in shapes.values():
+            for entry in buckets:
+                if entry["max_pairs"] >= args.from_pairs:
+                    entry[hook][field] = int(value)
+    with open(args.out, "w") as f:
+        json.dump({"_about": f"the shipped tiles with {' '.join(args.changes)} from {args.from_pairs} pairs", gpu: shapes},
+                  f, indent=1)
+    print(f"{args.out}: {gpu}, {' '.join(args.changes)} from {args.from_pairs} pairs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
