@@ -23,7 +23,7 @@ from collections import Counter
 
 ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.]*|\bcp\.async\.c[ag]\.shared\.global[\w.]*")
 
-_INT32 = ("sorted_ptr", "block_key_ptr", "rows_used_ptr", "offsets_ptr")
+_INT32 = ("sorted_ptr", "block_key_ptr", "rows_used_ptr")
 _NOT_ALIGNED = ("num_pairs",)  # a batch's pairs (the routing's views each start on 16 bytes: lora_moe._Scratch)
 
 
@@ -85,7 +85,7 @@ def shrink(**meta) -> dict:
     """The gated gate-up shrink in a configuration of the shipped H200 tiles."""
     from sglang_lora_tma_guard import lora_moe
 
-    constexprs = dict(PAIRS_PER_X=8, GATED=True, SPLIT_K=1, BLOCK_M=16, BLOCK_R=32, BLOCK_K=128, KEY_GROUP=1)
+    constexprs = dict(PAIRS_PER_X=8, GATED=True, SPLIT_K=1, BLOCK_M=16, BLOCK_R=32, BLOCK_K=128)
     constexprs.update(meta)
     return compiled(lora_moe._shrink_kernel, types={"t_ptr": "*fp32", **dict.fromkeys(_INT32, "*i32")},
                     constexprs=constexprs, unit=("stride_xk", "stride_ak"), num_stages=3)

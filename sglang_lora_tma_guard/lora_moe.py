@@ -223,8 +223,6 @@ class Routing:
     block_m: int
     num_pairs: int
     num_experts: int
-    offsets: torch.Tensor | None = None
-    """Each key's first row (keys,), where the routing wrote them (not the decode routing's registers)."""
 
     @property
     def max_blocks(self) -> int:
@@ -298,9 +296,8 @@ class _Scratch:
             self.keys, self.slots, self.offsets, self.sorted_ids, self.block_key, num_pairs, BLOCK_M=block_m,
             BLOCK=ROUTE_BLOCK)
 
-    def routing(self, block_m: int, num_pairs: int, num_experts: int, offsets: bool = True) -> Routing:
-        return Routing(self.sorted_ids, self.block_key, self.rows_used, block_m, num_pairs, num_experts,
-                       self.offsets if offsets else None)
+    def routing(self, block_m: int, num_pairs: int, num_experts: int) -> Routing:
+        return Routing(self.sorted_ids, self.block_key, self.rows_used, block_m, num_pairs, num_experts)
 
 
 def _route(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts: int, block_m: int) -> Routing:
@@ -314,7 +311,7 @@ def _route(topk_ids, token_lora, adapter_enabled, lora_ranks, num_experts: int, 
             topk_ids, token_lora, adapter_enabled, lora_ranks, b.rows_used, b.sorted_ids, b.block_key, num_pairs,
             num_loras, num_experts, b.sorted_ids.numel(),
             TOPK=topk, BLOCK_M=block_m, PAIRS=max(16, triton.next_power_of_2(num_pairs)), BLOCK_FILL=ROUTE_BLOCK)
-        return b.routing(block_m, num_pairs, num_experts, offsets=False)
+        return b.routing(block_m, num_pairs, num_experts)
     if num_pairs <= ONE_PROGRAM_PAIRS:
         launcher(_route_one_program_kernel)[(1,)](
             topk_ids, token_lora, adapter_enabled, lora_ranks, b.counts, b.keys, b.slots, b.offsets, b.rows_used,
@@ -357,9 +354,8 @@ def _shrink_kernel(
     # float32, out; the routing's sorted (rows,), block_key (blocks,), rows_used (1,).
     x_ptr, a_ptr, t_ptr,
     sorted_ptr, block_key_ptr, rows_used_ptr,
-    # Sizes; rank_tiles: programs a block (max_rank / BLOCK_R, rounded up). With KEY_GROUP, offsets (keys,): each
-    # key's first row.
-    num_pairs, K, num_experts, max_rank, rank_tiles, offsets_ptr,
+    # Sizes; rank_tiles: programs a block (max_rank / BLOCK_R, rounded up).
+    num_pairs, K, num_experts, max_rank, rank_tiles,
     # Strides.
     stride_xm, stride_xk, stride_al, stride_ae, stride_ar, stride_ak, stride_tm,
     # Meta-parameters.
@@ -367,29 +363,15 @@ def _shrink_kernel(
     GATED: tl.constexpr,  # both halves (gate ranks, up ranks) from one read of x
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    KEY_GROUP: tl.constexpr,  # blocks of one key a program takes: the key's A read once for all of them
 ):
     """``t[pair, half * max_rank + r] = sum_k x[pair's row, k] * A[adapter, expert, half * max_rank + r, k]``
     for the ranks r below the adapter's own; grid (blocks x rank tiles, split-K), a block's rank tiles side by side
-    (its rows of x read from DRAM once for all of them, and its key's next block close behind). With KEY_GROUP > 1
-    the program of a key's first block (and of every KEY_GROUP-th after it) takes that many of the key's blocks."""
+    (its rows of x read from DRAM once for all of them, and its key's next block close behind)."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     pid_m, pid_r = pid // rank_tiles, pid % rank_tiles
-    if KEY_GROUP == 1:
-        key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
-        if pid_m * BLOCK_M >= used:
-            return
-    else:
-        key, used = tl.load(block_key_ptr + pid_m), tl.load(rows_used_ptr)
-        if pid_m * BLOCK_M >= used:
-            return
-        first = tl.load(offsets_ptr + (key & _KEY_MASK)) // BLOCK_M
-        if (pid_m - first) % KEY_GROUP != 0:
-            return  # an earlier program of this key takes this block
-        rows = pid_m * BLOCK_M + tl.arange(0, KEY_GROUP * BLOCK_M)
-        in_key = rows < used
-        in_key &= (tl.load(block_key_ptr + rows // BLOCK_M, mask=in_key, other=0) & _KEY_MASK) == (key & _KEY_MASK)
-        pairs = tl.load(sorted_ptr + rows, mask=in_key, other=num_pairs).to(tl.int64)
+    key, pairs, used = _block_entries(pid_m, block_key_ptr, sorted_ptr, rows_used_ptr, BLOCK_M)
+    if pid_m * BLOCK_M >= used:
+        return
     adapter, expert, rank = _unpack(key, num_experts)
     r0 = pid_r * BLOCK_R
     if r0 >= rank:
@@ -404,8 +386,8 @@ def _shrink_kernel(
               + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak)
     up_shift = max_rank * stride_ar  # the up half's ranks follow the gate half's
 
-    acc = tl.zeros((KEY_GROUP * BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc_up = tl.zeros((KEY_GROUP * BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
         k_ok = offs_k < K - (k0 - pid_k * BLOCK_K)
         x = tl.load(x_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
@@ -728,9 +710,6 @@ class StageConfig:
     one_kernel: bool = False
     """Both GEMMs in one launch (:func:`_hook_kernel`: the shrink's ``shrink_block_k`` and
     ``shrink_stages``, the expand's column tiles and warps, every rank in one tile)."""
-    shrink_key_group: int = 1
-    """Blocks of one key each shrink program takes (its A read once for them all), where the routing wrote each
-    key's first row (else 1)."""
 
 
 _STAGE_FIELDS = tuple(f.name for f in fields(StageConfig))
@@ -806,15 +785,13 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, routing: Routing, *, topk: int
     alloc = torch.zeros if c.split_k > 1 else torch.empty
     t = alloc(num_pairs, halves * max_rank, dtype=torch.float32, device=x.device)
     rank_tiles = cdiv(max_rank, c.shrink_block_r)
-    key_group = c.shrink_key_group if routing.offsets is not None else 1
     launcher(_shrink_kernel)[(routing.max_blocks * rank_tiles, c.split_k)](
         x, lora_a, t, routing.sorted_ids, routing.block_key, routing.rows_used,
         num_pairs, x.shape[1], routing.num_experts, max_rank, rank_tiles,
-        routing.offsets if key_group > 1 else routing.rows_used,
         x.stride(0), x.stride(1), lora_a.stride(0), _expert_stride(lora_a), lora_a.stride(2), lora_a.stride(3),
         t.stride(0),
         PAIRS_PER_X=pairs_per_x, GATED=halves == 2, SPLIT_K=c.split_k,
-        BLOCK_M=routing.block_m, BLOCK_R=c.shrink_block_r, BLOCK_K=c.shrink_block_k, KEY_GROUP=key_group,
+        BLOCK_M=routing.block_m, BLOCK_R=c.shrink_block_r, BLOCK_K=c.shrink_block_k,
         num_warps=c.shrink_warps, num_stages=c.shrink_stages,
     )
     return t

@@ -229,45 +229,6 @@ def test_a_gpu_the_tiles_do_not_name_takes_the_tiles_it_is_measured_faster_with(
     tuning._plan.cache_clear()
 
 
-@pytest.mark.parametrize("tokens", [64, 300], ids=["one-program-routing", "three-launch-routing"])
-def test_a_shrink_program_taking_several_blocks_of_one_key_writes_each_blocks_ranks(tokens):
-    """``StageConfig.shrink_key_group``: the program of a key's first block (and of every group-th after it) takes
-    that many of the key's blocks, its rows of the next key's block left out. Ranks 5/16/32/64 (rank tiles of 16,
-    the last partial), keys of 1 to about 10 blocks of 16 rows, a group running past the rows in use: every route's
-    ranks as the block-by-block shrink writes them, to the bit, and within float32 rounding of the float32 product;
-    the routes without a delta (the base model's tokens, a disabled slot) left as they were."""
-    gen = torch.Generator().manual_seed(3)
-    topk, experts, hidden, ranks = 8, 6, 96, (5, 16, 32, 64)
-    x = torch.randn(tokens, hidden, generator=gen).half()
-    lora_a = torch.randn(len(ranks), experts, 2 * 64, hidden, generator=gen).half()
-    ids = torch.randint(0, experts, (tokens, topk), generator=gen, dtype=torch.int32)
-    token_lora = torch.randint(-1, len(ranks), (tokens,), generator=gen, dtype=torch.int32)
-    enabled = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
-    routing = lora_moe.route(ids, token_lora, enabled, torch.tensor(ranks, dtype=torch.int32), experts, 16)
-    assert routing.offsets is not None
-    ranks_of = {}
-    for group in (1, 2, 4):
-        config = lora_moe.StageConfig(shrink_block_r=16, shrink_block_k=32, shrink_key_group=group)
-        t = lora_moe.shrink(x, lora_a, routing, topk=topk, max_rank=64, halves=2, config=config)
-        ranks_of[group] = t
-    for group in (2, 4):
-        wanted = torch.zeros_like(ranks_of[1], dtype=torch.bool)
-        for pair in range(tokens * topk):
-            slot = int(token_lora[pair // topk])
-            if slot >= 0 and enabled[slot]:
-                wanted[pair, : ranks[slot]] = wanted[pair, 64: 64 + ranks[slot]] = True
-        assert torch.equal(ranks_of[group][wanted], ranks_of[1][wanted]), group
-    for pair in range(0, tokens * topk, 7):
-        slot, expert = int(token_lora[pair // topk]), int(ids.view(-1)[pair])
-        if slot < 0 or not enabled[slot]:
-            continue
-        r = ranks[slot]
-        a = lora_a[slot, expert].float()
-        expected = torch.cat([x[pair // topk].float() @ a[:r].T, x[pair // topk].float() @ a[64: 64 + r].T])
-        got = torch.cat([ranks_of[4][pair, :r], ranks_of[4][pair, 64: 64 + r]])
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-
-
 ONE_KERNEL = lora_moe.StageConfig(one_kernel=True, shrink_block_k=64, expand_block_n=32, expand_n_tiles=3)
 
 
