@@ -4,7 +4,7 @@ to time a tile field against the shipped tiles on one machine.
     python -m benchmarks.tiles_with OUT.json [--from-pairs N] HOOK.FIELD=VALUE ...
 
 ``HOOK``: ``gate_up`` or ``down``; every bucket of every shape from ``N`` pairs (tokens x topk) on gets the values.
-The tiles are the ones ``tuning`` would take here (this GPU's own, or those of the GPU ``tuning.TILES_OF`` names).
+The tiles: this GPU's own, else those of the GPU ``tuning.TILES_OF`` names for it, else the H200's.
 """
 
 from __future__ import annotations
