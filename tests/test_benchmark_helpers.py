@@ -718,3 +718,23 @@ def test_a_batch_that_cannot_launch_is_named_and_the_next_one_runs(tmp_path, mon
     assert "| mixed | 8192 | 8.192 |" in text
     assert "Traceback" in capsys.readouterr().err
     assert _lora_setup.run_batches(SimpleNamespace(**{**vars(args), "tokens": [1024]}), "table", measure, markdown) == 0
+
+
+def test_tiles_with_writes_the_shipped_tiles_with_a_field_changed_from_a_bucket_on(tmp_path, monkeypatch):
+    from benchmarks import tiles_with
+    from sglang_lora_tma_guard import tuning
+
+    monkeypatch.setattr(tuning, "_gpu", lambda: "NVIDIA H100 80GB HBM3")  # takes the H200's tiles (TILES_OF)
+    out = tmp_path / "tiles.json"
+    assert tiles_with.main([str(out), "gate_up.shrink_block_r=64", "--from-pairs", "16384"]) == 0
+    shape, buckets = next(iter(tuning._table(None)["NVIDIA H200"].items()))
+    sizes = [int(part.split("=")[1]) for part in shape.split()]
+    tuning._plan.cache_clear()
+    try:
+        for bucket in buckets:
+            plan = tuning._plan(bucket["max_pairs"], sizes[0], sizes[1], sizes[2], 4, sizes[3], str(out))
+            changed = bucket["max_pairs"] >= 16384
+            assert plan.gate_up.shrink_block_r == (64 if changed else bucket["gate_up"]["shrink_block_r"])
+            assert plan.down == tuning._stage(bucket["down"]) and plan.block_m == bucket["block_m"]
+    finally:
+        tuning._plan.cache_clear()
