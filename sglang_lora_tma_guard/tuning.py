@@ -27,9 +27,9 @@ DATA = "lora_moe_tiles.json"
 TILES_ENV = "SGLANG_LORA_TMA_GUARD_TILES"
 TILES_OF = {"NVIDIA H100 80GB HBM3": "NVIDIA H200"}
 """GPUs that take another's tiles where the data has none of their own. The H100 SXM (Hopper, 132 SMs as the H200,
-less memory bandwidth): with the H200's tiles the whole hooked call took 0-8% less time than with the rule of thumb on
-an H100, at every batch of GLM-5.1 TP8 and Qwen3-30B-A3B tp 1 measured (mixed ranks, 64 to 8192 tokens; 0.2% more,
-within noise, at one: ``benchmarks/results/lora_moe/tiles-on-h100/``)."""
+less memory bandwidth): with the H200's tiles the whole hooked call took 1-13% less time than with the rule of thumb on
+an H100 at every batch of GLM-5.1 TP8, Qwen3-30B-A3B tp 1 and 2, E=80 N=640 and E=513 N=512 measured but one (mixed
+ranks, 64 to 8192 tokens; 0.2% more, within noise, on Qwen3 tp 1 at 8192: ``benchmarks/results/lora_moe/tiles-on-h100/``)."""
 PROGRAMS_PER_SM = 2
 """A split-K shrink aims at this many programs per SM of the GPU (read from the device)."""
 
