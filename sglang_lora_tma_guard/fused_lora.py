@@ -17,8 +17,9 @@ SGLang's launcher untouched, and ``after_down`` then adds the delta itself: an o
 taken costs nothing and loses nothing. Not under ``torch.compile`` (the hooks' custom ops run there).
 
 Where it runs: ``=fast`` places it for the batches it is measured faster on (:data:`FASTER_FROM_ROUTES`:
-by the down GEMM's K, max rank and batch size; block-fp8 experts); every other batch keeps
-the hook's expand.
+by the down GEMM's K, max rank and batch size; block-fp8 experts), or split by rank where only that is
+(:data:`SPLIT_FROM_ROUTES`: the epilogue adds the adapters up to a rank, the hook's expand the others'
+deltas after it); every other batch keeps the hook's expand.
 :func:`activate` with ``everywhere`` takes every batch it covers (tests, benchmarks). Right:
 ``tests/test_fast_lora.py``, ``tests/test_fused_lora.py``; measured: ``docs/lora_moe_floor.md``.
 """
