@@ -18,6 +18,16 @@ from harness import real_lora
 
 RANK_SETS = {"mixed": (8, 16, 32, 64), "r16": (16, 16, 16, 16)}
 HBM_BYTES_PER_S = 4.3e12  # what an H200 streams in practice (FACTS.md section 3)
+HBM_BYTES_PER_S_OF = {"NVIDIA H100 80GB HBM3": 3.35e12}
+"""GPUs whose floors take their own bandwidth: the H100 SXM's datasheet peak (NVIDIA: 3.35 TB/s), which no run there
+beats (at the H200's 4.3 TB/s its floors would be below what the card can stream; the H100 tables before 2026-12-07
+took it)."""
+
+
+def hbm_bytes_per_s() -> float:
+    """The bandwidth this GPU's floors take: :data:`HBM_BYTES_PER_S_OF`'s for a GPU it names, else the H200's."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return HBM_BYTES_PER_S_OF.get(name, HBM_BYTES_PER_S)
 BASE_NAMES = {"fp8": "block fp8 (128 x 128 scales)", "bf16": "bf16"}
 
 

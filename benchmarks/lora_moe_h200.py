@@ -15,7 +15,8 @@ SGLang's ``TritonRunnerCore.run`` with the guard's weight TMA. Graphs, CUDA-grap
   batch: what ``SGLANG_LORA_TMA_GUARD=fast`` serves), and the call without hooks;
 - the LoRA hooks alone (build + both hooks on fixed buffers): default, fast, and SGLang's own
   virtual-experts path (``--lora-use-virtual-experts``; wrong on gated MoE, timed for reference);
-- the floor: the LoRA weights the batch touches read once at 4.3 TB/s, at the true ranks.
+- the floor: the LoRA weights the batch touches read once at 4.3 TB/s (an H100's floors: at its 3.35,
+  ``_lora_setup.HBM_BYTES_PER_S_OF``), at the true ranks.
 
 Checks per row (eager), on up to 32 tokens spread over the batch: every whole call's output against the
 float32 PyTorch reference MoE (``harness/reference.py``: the same weights, with a block-fp8 base the same
@@ -36,7 +37,16 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture, replay_times
-from benchmarks._lora_setup import BASE_NAMES, HBM_BYTES_PER_S, add_base_option, floor_bytes, fused_down, lora_batch, run_batches
+from benchmarks._lora_setup import (
+    BASE_NAMES,
+    HBM_BYTES_PER_S,
+    add_base_option,
+    floor_bytes,
+    fused_down,
+    hbm_bytes_per_s,
+    lora_batch,
+    run_batches,
+)
 from harness import real_lora, tables, tiny_moe
 from harness.reference import ReferenceLoRAHooks, reference_moe
 from sglang_lora_tma_guard import lora_path
@@ -134,8 +144,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights) -> dict:
     times = replay_times(graphs)
     row.update({f"ms_{key}": value for key, value in times.items()})
     true_bytes, padded_bytes = floor_bytes(info, ids)
-    row["floor_ms"] = true_bytes / HBM_BYTES_PER_S * 1e3
-    row["floor_padded_ms"] = padded_bytes / HBM_BYTES_PER_S * 1e3
+    row["floor_ms"] = true_bytes / hbm_bytes_per_s() * 1e3
+    row["floor_padded_ms"] = padded_bytes / hbm_bytes_per_s() * 1e3
     row["speedup_whole"] = row["ms_whole_default"] / row["ms_whole_fast"]
     row["speedup_whole_fused"] = row["ms_whole_default"] / row["ms_whole_fused"]
     row["speedup_lora"] = row["ms_lora_default"] / row["ms_lora_fast"]
@@ -152,7 +162,8 @@ def markdown(rows, meta) -> str:
         "weight TMA on. default = SGLang's LoRA MoE hooks (fused_moe_lora); fast = this package's hooks; "
         "fused = the fast hooks, the down expand in the down GEMM where fused_lora takes the batch (SGLANG_LORA_TMA_GUARD=fast); "
         "VE = SGLang's --lora-use-virtual-experts path (wrong on gated MoE, timed for reference). Floor: the LoRA "
-        f"weights the batch touches read once at {HBM_BYTES_PER_S / 1e12:.1f} TB/s (true ranks / padded to the max). "
+        f"weights the batch touches read once at {meta.get('hbm_bytes_per_s', HBM_BYTES_PER_S) / 1e12:.2f} TB/s (true ranks "
+        "/ padded to the max). "
         "Errors: max |delta - reference| / max |reference|, float32 PyTorch reference, 32 tokens spread over the batch.",
         "",
         tables.markdown(
@@ -177,7 +188,7 @@ def main(argv=None) -> int:
     add_base_option(parser)
     parser.add_argument("--rank-sets", nargs="+", default=None,
                         help="mixed, or rN (four adapters of rank N); default mixed and r16 (GLM-5.1), mixed (others)")
-    return run_batches(parser.parse_args(argv), "lora_moe_h200", measure, markdown)
+    return run_batches(parser.parse_args(argv), "lora_moe_h200", measure, markdown, hbm_bytes_per_s=hbm_bytes_per_s())
 
 
 if __name__ == "__main__":

@@ -45,7 +45,16 @@ import torch
 
 import sglang_lora_tma_guard as guard
 from benchmarks._bench import benchmark_parser, capture, replay_times
-from benchmarks._lora_setup import BASE_NAMES, HBM_BYTES_PER_S, add_base_option, fused_down, lora_batch, one_stream, run_batches
+from benchmarks._lora_setup import (
+    BASE_NAMES,
+    HBM_BYTES_PER_S,
+    add_base_option,
+    fused_down,
+    hbm_bytes_per_s,
+    lora_batch,
+    one_stream,
+    run_batches,
+)
 from harness import real_lora, tables
 from sglang_lora_tma_guard import lora_moe, lora_path, tuning
 
@@ -187,7 +196,7 @@ def gate_up_parts(c1, t_gu, gb, routing, ids, slots, enabled, ranks, max_rank: i
 
 
 def floor_ms(nbytes: float, flops: float = 0.0) -> float:
-    return max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e3
+    return max(nbytes / hbm_bytes_per_s(), flops / BF16_FLOPS) * 1e3
 
 
 def measure(capture_mode, name, shape, ranks_name, tokens, weights, split_rank: int | None = None) -> dict:
@@ -279,7 +288,8 @@ def markdown(rows, meta) -> str:
     return "\n".join([
         f"SGLang {meta['sglang']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['gpu']}; base experts "
         f"{BASE_NAMES[meta.get('base', 'fp8')]}. ms per call, "
-        f"CUDA-graph replay, best of 5 x 50 (interleaved). Floors: bytes at {HBM_BYTES_PER_S / 1e12:.1f} TB/s or "
+        f"CUDA-graph replay, best of 5 x 50 (interleaved). Floors: bytes at "
+        f"{meta.get('hbm_bytes_per_s', HBM_BYTES_PER_S) / 1e12:.2f} TB/s or "
         f"FLOPs at {BF16_FLOPS / 1e12:.0f} TFLOP/s, whichever is larger. Each kernel: measured / its floor (the "
         f"expands also / their floor with B and rank rows read in {GRANULE}-byte granules). "
         "fusable: the traffic that exists only because LoRA runs beside the GEMMs, at HBM speed. "
@@ -353,7 +363,7 @@ def main(argv=None) -> int:
                         help="also time the whole call with the fused down launch split at this rank (fused, split)")
     args = parser.parse_args(argv)
     return run_batches(args, "lora_moe_kernels", functools.partial(measure, split_rank=args.split_rank), markdown,
-                       hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS)
+                       hbm_bytes_per_s=hbm_bytes_per_s(), bf16_flops=BF16_FLOPS)
 
 
 if __name__ == "__main__":

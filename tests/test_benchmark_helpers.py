@@ -738,3 +738,14 @@ def test_tiles_with_writes_the_shipped_tiles_with_a_field_changed_from_a_bucket_
             assert plan.down == tuning._stage(bucket["down"]) and plan.block_m == bucket["block_m"]
     finally:
         tuning._plan.cache_clear()
+
+
+def test_an_h100s_floors_take_its_own_bandwidth_and_every_other_gpus_the_h200s(monkeypatch):
+    from benchmarks import _lora_setup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    speeds = {}
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
+        speeds[name] = _lora_setup.hbm_bytes_per_s()
+    assert speeds == {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H200": 4.3e12, "NVIDIA H100 PCIe": 4.3e12}
