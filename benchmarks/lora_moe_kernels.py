@@ -39,6 +39,7 @@ call is the hook-less call plus the LoRA weights read once. Writes ``lora_moe_ke
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -353,8 +354,6 @@ def split_table(rows) -> list[str]:
 
 
 def main(argv=None) -> int:
-    import functools
-
     parser = benchmark_parser(__doc__, TOKENS)
     add_base_option(parser)
     parser.add_argument("--rank-sets", nargs="+", default=None,

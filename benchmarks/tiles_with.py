@@ -4,7 +4,7 @@ to time a tile field against the shipped tiles on one machine.
     python -m benchmarks.tiles_with OUT.json [--from-pairs N] HOOK.FIELD=VALUE ...
 
 ``HOOK``: ``gate_up`` or ``down``; every bucket of every shape from ``N`` pairs (tokens x topk) on gets the values.
-The tiles: this GPU's own, else those of the GPU ``tuning.TILES_OF`` names for it, else the H200's.
+The tiles: those ``tuning`` takes on this GPU (``tuning.tiles_of``: its own, or another GPU's).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ def main(argv=None) -> int:
     parser.add_argument("changes", nargs="+", help="HOOK.FIELD=VALUE (an int)")
     parser.add_argument("--from-pairs", type=int, default=0)
     args = parser.parse_args(argv)
-    table, gpu = tuning._table(None), tuning._gpu()
-    shapes = table.get(gpu) or table[tuning.TILES_OF.get(gpu, "NVIDIA H200")]
+    gpu = tuning._gpu()
+    shapes = tuning.tiles_of(tuning._table(None), gpu)
+    if not shapes:
+        raise SystemExit(f"no shipped tiles for this GPU ({gpu or 'none'}): it takes the rule of thumb")
     for change in args.changes:
         name, value = change.split("=")
         hook, field = name.split(".")

@@ -83,9 +83,7 @@ def plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: in
 @functools.lru_cache(maxsize=4096)  # every MoE layer of a batch asks for the same plan
 def _plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: int, max_rank: int,
           tiles_path: str | None) -> Plan:
-    table, gpu = _table(tiles_path), _gpu()
-    buckets = table.get(gpu if gpu in table else TILES_OF.get(gpu, gpu), {}).get(
-        shape_key(hidden, intermediate, experts, max_rank))
+    buckets = tiles_of(_table(tiles_path), _gpu()).get(shape_key(hidden, intermediate, experts, max_rank))
     if buckets:
         entry = next((b for b in buckets if num_pairs <= b["max_pairs"]), buckets[-1])
         return Plan(entry["block_m"], _stage(entry["gate_up"]), _stage(entry["down"]))
@@ -93,6 +91,12 @@ def _plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: i
     return Plan(rule_block_m(num_pairs, keys),
                 rule_of_thumb(num_pairs, keys, hidden, max_rank, width=intermediate),
                 rule_of_thumb(num_pairs, keys, intermediate, max_rank, width=hidden))
+
+
+def tiles_of(table: dict, gpu: str) -> dict:
+    """The tiles ``gpu`` takes from ``table``, by layer shape: its own, else those of the GPU :data:`TILES_OF` names
+    for it; none (``{}``) if neither is there."""
+    return table.get(gpu if gpu in table else TILES_OF.get(gpu, gpu), {})
 
 
 def rule_block_m(num_pairs: int, num_keys: int) -> int:
