@@ -22,13 +22,13 @@ HBM_BYTES_PER_S_OF = {"NVIDIA H100 80GB HBM3": 3.35e12}
 """GPUs whose floors take their own bandwidth: the H100 SXM's datasheet peak (NVIDIA: 3.35 TB/s), which no run there
 beats (at the H200's 4.3 TB/s its floors would be below what the card can stream; the H100 tables before 2026-12-07
 took it)."""
+BASE_NAMES = {"fp8": "block fp8 (128 x 128 scales)", "bf16": "bf16"}
 
 
 def hbm_bytes_per_s() -> float:
     """The bandwidth this GPU's floors take: :data:`HBM_BYTES_PER_S_OF`'s for a GPU it names, else the H200's."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     return HBM_BYTES_PER_S_OF.get(name, HBM_BYTES_PER_S)
-BASE_NAMES = {"fp8": "block fp8 (128 x 128 scales)", "bf16": "bf16"}
 
 
 def rank_set(name: str) -> tuple[int, ...]:
@@ -255,8 +255,8 @@ def fused_down(on: bool, act: bool = True, how: str | None = None, split_rank: i
     from sglang_lora_tma_guard import fused_act, fused_lora
 
     how = how or os.environ.get("FUSED_DOWN", "placed")
-    if how.startswith("split-") and how[len("split-"):].isdigit():
-        how, split_rank = "everywhere", split_rank or int(how[len("split-"):])
+    if how.startswith("split-") and how.removeprefix("split-").isdigit():
+        how, split_rank = "everywhere", split_rank or int(how.removeprefix("split-"))
     if how not in ("placed", "everywhere", "everywhere-narrow"):
         raise SystemExit(f"FUSED_DOWN={how!r}: placed (the default), everywhere, everywhere-narrow or split-R (a rank)")
     tiles = fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES
