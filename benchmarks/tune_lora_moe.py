@@ -1,6 +1,6 @@
 """Tune the fast LoRA MoE path's tiles on this GPU: rows per block, and each hook's shrink and expand tiles.
 
-    python -m benchmarks.tune_lora_moe [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--out results]
+    python -m benchmarks.tune_lora_moe [--shapes ...] [--tokens 1 8 64 256 1024 4096 8192] [--rank-sets ...] [--out results]
 
 Per shape (``_bench.SHAPES``), rank set (4 adapters of ranks 8/16/32/64, and all 16 on the GLM-5.1
 shape) and batch size: for each candidate rows-per-block, the routing, then each hook's shrink tiles
@@ -8,7 +8,8 @@ and expand tiles timed alone (CUDA-graph replay, best of 3 x 20), the best of ea
 whole hook with those two against both GEMMs in one launch (``StageConfig.one_kernel``, up to 8192
 pairs); the rows-per-block with the least total wins. Writes ``lora_moe_tiles.json`` (the package's data format,
 ``sglang_lora_tma_guard/tuning.py``: the table in use, ``SGLANG_LORA_TMA_GUARD_TILES`` or the shipped
-one, with each bucket tuned here replaced) and
+one, with each bucket tuned here replaced under this GPU's name: a GPU that takes another's tiles, ``tuning.TILES_OF``,
+keeps them for every bucket not tuned on it) and
 ``tune_lora_moe.md`` under ``--out``; copy the JSON into the package to ship it. Before the timing,
 ``--compile-workers`` processes compile every candidate of every batch into Triton's cache (a cold
 tuning spent most of its time compiling one kernel at a time).
@@ -239,7 +240,7 @@ def against(args, out) -> int:
     """The shipped tiles against ``args.against``'s, batch by batch, on one GPU."""
     name_b = Path(args.against).name
     table = tables.Table(["shape", "ranks", "tokens", "shipped ms", f"{name_b} ms", f"{name_b} / shipped"])
-    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
+    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens, args.rank_sets):
         b = Batch.make(shape, ranks_name, tokens, weights)
         graphs = {path: capture(plan_launch(b, tuning._plan(*b.plan_sizes, path)))[0] for path in (None, args.against)}
         times = replay_times(graphs)
@@ -320,6 +321,8 @@ def main(argv=None) -> int:
                         help="processes that compile every candidate before the timing starts (0 or 1: none)")
     parser.add_argument("--compile-timeout", type=float, default=240, help="seconds the warm-up may take")
     parser.add_argument("--against", metavar="FILE", help="no tuning: the shipped tiles against FILE's, timed")
+    parser.add_argument("--rank-sets", nargs="+", default=None,
+                        help="mixed, or rN (four adapters of rank N); default mixed and r16 (GLM-5.1), mixed (others)")
     args = parser.parse_args(argv)
     if args.against and not Path(args.against).is_file():  # the package would fall back to its own table
         parser.error(f"--against {args.against}: no such file")
@@ -335,10 +338,10 @@ def main(argv=None) -> int:
     table = tables.Table(["shape", "ranks", "tokens", "block_m", "gate-up tiles", "down tiles", "LoRA ms (tuned)"],
                          echo=False)
     if args.compile_workers > 1:
-        jobs = [(name, ranks_name, tokens) for name in args.shapes for ranks_name in shape_rank_sets(name)
-                for tokens in args.tokens]
+        jobs = [(name, ranks_name, tokens) for name in args.shapes
+                for ranks_name in args.rank_sets or shape_rank_sets(name) for tokens in args.tokens]
         warm_all(jobs, args.compile_workers, args.compile_timeout)
-    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens):
+    for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens, args.rank_sets):
         t0 = time.perf_counter()
         key, entry = tune_batch(shape, ranks_name, tokens, weights)
         _place(tiles[gpu].setdefault(key, []), entry)

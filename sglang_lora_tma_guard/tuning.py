@@ -3,8 +3,8 @@
 Tuned tiles ship as data (``lora_moe_tiles.json``, written by ``benchmarks/tune_lora_moe.py`` on an
 H200): per GPU name and per layer shape (hidden, intermediate per shard, experts in the LoRA buffers,
 max rank), for buckets of pairs (tokens x topk), the rows per block and both hooks' tiles that were
-fastest in that sweep. ``SGLANG_LORA_TMA_GUARD_TILES`` names another such file to read instead. A GPU the
-data does not name may take another's tiles (:data:`TILES_OF`). Where the data has nothing for this GPU and
+fastest in that sweep. ``SGLANG_LORA_TMA_GUARD_TILES`` names another such file to read instead. A GPU may take
+another's tiles where the data has none of its own for a bucket (:data:`TILES_OF`). Where the data has nothing for this GPU and
 shape, a rule of thumb: blocks of about the pairs each virtual expert gets, and K split when too few blocks
 would fill the GPU.
 """
@@ -94,9 +94,12 @@ def _plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: i
 
 
 def tiles_of(table: dict, gpu: str) -> dict:
-    """The tiles ``gpu`` takes from ``table``, by layer shape: its own, else those of the GPU :data:`TILES_OF` names
-    for it; none (``{}``) if neither is there."""
-    return table.get(gpu if gpu in table else TILES_OF.get(gpu, gpu), {})
+    """The tiles ``gpu`` takes from ``table``, by layer shape: the buckets tuned on it, and where it has none of a
+    bucket's size, those of the GPU :data:`TILES_OF` names for it; none (``{}``) if neither is there."""
+    own, lent = table.get(gpu, {}), table.get(TILES_OF.get(gpu), {})
+    return {key: sorted({b["max_pairs"]: b for b in lent.get(key, []) + own.get(key, [])}.values(),
+                        key=lambda b: b["max_pairs"])
+            for key in {**lent, **own}}
 
 
 def rule_block_m(num_pairs: int, num_keys: int) -> int:

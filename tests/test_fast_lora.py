@@ -203,14 +203,16 @@ def test_the_shipped_tiles_name_only_known_tiles_in_rising_buckets():
 
 
 def test_a_gpu_the_tiles_do_not_name_takes_the_tiles_it_is_measured_faster_with(monkeypatch, tmp_path):
-    """An H100 SXM takes the H200's tiles (``tuning.TILES_OF``); a GPU of its own in the data, its own; any other GPU
-    the rule of thumb."""
+    """An H100 SXM takes the H200's tiles (``tuning.TILES_OF``); where the data holds buckets tuned on it, those, and
+    the H200's for every other bucket and shape; any other GPU the rule of thumb."""
     import json
 
+    def sizes(shape_key: str, pairs: int) -> tuple:  # what tuning._plan takes, 4 adapters
+        hidden, intermediate, experts, rank = (int(part.split("=")[1]) for part in shape_key.split())
+        return pairs, hidden, intermediate, experts, 4, rank
+
     table = tuning._table(None)
-    shape, buckets = next(iter(table["NVIDIA H200"].items()))
-    hidden, intermediate, experts, rank = (int(part.split("=")[1]) for part in shape.split())
-    sizes = (buckets[-1]["max_pairs"], hidden, intermediate, experts, 4, rank)
+    (shape, buckets), (other, _) = list(table["NVIDIA H200"].items())[:2]
     last = buckets[-1]
     h200 = tuning.Plan(last["block_m"], tuning._stage(last["gate_up"]), tuning._stage(last["down"]))
     own = tmp_path / "tiles.json"
@@ -219,13 +221,16 @@ def test_a_gpu_the_tiles_do_not_name_takes_the_tiles_it_is_measured_faster_with(
     for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"):
         monkeypatch.setattr(tuning, "_gpu", lambda gpu=gpu: gpu)
         tuning._plan.cache_clear()  # cached by shape: one GPU a process
-        plans[gpu] = tuning._plan(*sizes, None)
+        plans[gpu] = tuning._plan(*sizes(shape, last["max_pairs"]), None)
         if gpu == "NVIDIA H100 80GB HBM3":
-            assert tuning._plan(*sizes, str(own)).block_m == 16  # its own tiles before another's
+            assert tuning._plan(*sizes(shape, last["max_pairs"]), str(own)).block_m == 16  # its own tiles first
+            # A bucket and a shape it has none of: the H200's (not its own last bucket, not the rule of thumb).
+            for elsewhere in (sizes(shape, buckets[0]["max_pairs"]), sizes(other, 8192)):
+                assert tuning._plan(*elsewhere, str(own)) == tuning._plan(*elsewhere, None)
     none = tmp_path / "none.json"
     none.write_text("{}")
     assert plans["NVIDIA H200"] == plans["NVIDIA H100 80GB HBM3"] == h200
-    assert plans["NVIDIA H100 PCIe"] == tuning._plan(*sizes, str(none)) != h200  # the rule of thumb
+    assert plans["NVIDIA H100 PCIe"] == tuning._plan(*sizes(shape, last["max_pairs"]), str(none)) != h200  # the rule of thumb
     tuning._plan.cache_clear()
 
 
