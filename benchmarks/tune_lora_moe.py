@@ -4,7 +4,8 @@
 
 Per shape (``_bench.SHAPES``), rank set (4 adapters of ranks 8/16/32/64, and all 16 on the GLM-5.1
 shape) and batch size: for each candidate rows-per-block, the routing, then each hook's shrink tiles
-and expand tiles timed alone (CUDA-graph replay, best of 3 x 20), the best of each kept, then the
+and expand tiles timed alone (CUDA-graph replay, best of 3 x 20; where ``=fast`` splits the fused down launch by
+rank, the down expand of the adapters above the split alone, as it runs there), the best of each kept, then the
 whole hook with those two against both GEMMs in one launch (``StageConfig.one_kernel``, up to 8192
 pairs); the rows-per-block with the least total wins. Writes ``lora_moe_tiles.json`` (the package's data format,
 ``sglang_lora_tma_guard/tuning.py``: the table in use, ``SGLANG_LORA_TMA_GUARD_TILES`` or the shipped
@@ -37,7 +38,7 @@ import torch
 from benchmarks._bench import benchmark_parser, capture, prepare_sglang, replay_times, results_dir
 from benchmarks._lora_setup import batches, lora_info, shape_rank_sets
 from harness import tables, tiny_moe
-from sglang_lora_tma_guard import lora_moe, tuning
+from sglang_lora_tma_guard import fused_lora, lora_moe, tuning
 from sglang_lora_tma_guard.lora_path import token_adapters
 
 TOKENS = [1, 8, 64, 256, 1024, 4096, 8192]
@@ -117,6 +118,7 @@ class Hook:
     topk: int
     rank: int
     weights: torch.Tensor | None
+    rank_above: int = 0  # the expand adds only the adapters above this rank (the fused down launch split by rank)
 
 
 @dataclass
@@ -144,11 +146,14 @@ class Batch:
         act = torch.randn(tok * topk, info.down_lora_a_weights.shape[3], **like)
         cache3 = torch.zeros(tok, topk, hidden.shape[1], **like)
         experts = info.gate_up_lora_b_weights.shape[1]
+        # Where =fast splits the fused down launch by rank (block-fp8 experts), its epilogue adds the adapters up to
+        # that rank and the hook's expand the others: the expand tuned is that one.
+        split = fused_lora._placed(tok * topk, r, act.shape[1])
         return cls(problem.topk_ids, token_adapters(info, tok), info.adapter_enabled, info.lora_ranks, experts,
                    tuning.shape_key(hidden.shape[1], act.shape[1], experts, r),
                    Hook(hidden, cache1, info.gate_up_lora_a_weights, info.gate_up_lora_b_weights, 2, topk, r, None),
                    Hook(act, cache3, info.down_lora_a_weights, info.down_lora_b_weights, 1, topk, r,
-                        problem.topk_weights))
+                        problem.topk_weights, split if split is not None and split < r else 0))
 
     @property
     def num_pairs(self) -> int:
@@ -182,16 +187,25 @@ def shrink_launches(h: Hook, routing) -> dict:
 
 def expand_launches(h: Hook, routing, t) -> dict:
     return {cfg: functools.partial(lora_moe.expand, h.out, t, h.b, routing, max_rank=h.rank, halves=h.halves,
-                                   topk_weights=h.weights, config=cfg)
+                                   topk_weights=h.weights, config=cfg, rank_above=h.rank_above)
             for cfg in expand_candidates(h.rank, routing.num_pairs)}
 
 
 def hook_launch(h: Hook, routing, cfg):
+    if h.rank_above:  # the shrink of every adapter, the expand of those above the split (as fused_lora runs them)
+        def split():
+            t = lora_moe.shrink(h.x, h.a, routing, topk=h.topk, max_rank=h.rank, halves=h.halves, config=cfg)
+            lora_moe.expand(h.out, t, h.b, routing, max_rank=h.rank, halves=h.halves, topk_weights=h.weights,
+                            config=cfg, rank_above=h.rank_above)
+
+        return split
     return functools.partial(lora_moe.add_delta, h.out, h.x, h.a, h.b, routing, max_rank=h.rank, halves=h.halves,
                              topk_weights=h.weights, config=cfg)
 
 
 def one_kernel_launches(h: Hook, routing) -> dict:
+    if h.rank_above:  # one kernel adds every adapter's delta
+        return {}
     return {cfg: hook_launch(h, routing, cfg) for cfg in one_kernel_candidates(h.x.shape[1], h.rank, routing.num_pairs)}
 
 

@@ -322,15 +322,22 @@ def test_the_hooks_host_time_is_timed_with_the_launches_left_out_and_put_back(ca
     assert all(float(cell) > 0 for row in rows for cell in row.split("|")[4:8])
 
 
-def tuner_batch_and_default_deltas():
-    """The tuner's batch set-up on the CPU (its tensors and routing as on the H200), and each hook's delta
-    with the default tiles' two-launch hook: (batch, {hook name: (hook, delta)})."""
+def tuner_batch():
+    """The tuner's batch set-up on the CPU (its tensors and routing as on the H200), ranks 8/16/32/64."""
     from benchmarks import tune_lora_moe as tune
     from harness import real_lora, tiny_moe
 
     real_lora.enable_cpu_lora_ops()
     weights = tiny_moe.make_weights(8, 64, 40, seed=0, device="cpu")
-    batch = tune.Batch.make(dict(E=8, N=40, K=64, topk=2), "mixed", 6, weights, device="cpu", dtype=torch.float16)
+    return tune.Batch.make(dict(E=8, N=40, K=64, topk=2), "mixed", 6, weights, device="cpu", dtype=torch.float16)
+
+
+def tuner_batch_and_default_deltas():
+    """:func:`tuner_batch`, and each hook's delta with the default tiles' two-launch hook: (batch, {hook name:
+    (hook, delta)})."""
+    from benchmarks import tune_lora_moe as tune
+
+    batch = tuner_batch()
     hooks = {}
     for name, hook in (("gate_up", batch.gate_up), ("down", batch.down)):
         hook.out.zero_()
@@ -357,6 +364,37 @@ def test_each_one_kernel_candidate_of_the_tuner_adds_the_two_launch_hooks_delta(
             launch()
             error = (hook.out.float() - expected).abs().max() / expected.abs().max()
             assert error < 2 * 2.0**-10, (config, float(error))
+
+
+@pytest.mark.slow  # about 3 s on CPU: the down hook through the interpreter
+def test_where_the_fused_down_launch_is_split_the_tuner_times_the_expand_that_runs_there(fm, monkeypatch):
+    """Where ``=fast`` splits the fused down launch by rank (``fused_lora.SPLIT_FROM_ROUTES``, here from this
+    batch's routes at rank 16), its epilogue adds the adapters up to that rank and the hook's expand the others: the
+    tuner's down hook, and each expand it times, adds exactly the full delta's rows of the adapters above 16 (the
+    same kernels, the others' blocks skipped) and nothing to the rest; no one-kernel candidate (it adds all)."""
+    from dataclasses import replace
+
+    from benchmarks import tune_lora_moe as tune
+    from sglang_lora_tma_guard import fused_lora, lora_moe
+
+    batch, hooks = tuner_batch_and_default_deltas()
+    full_hook, full = hooks["down"]
+    assert full_hook.rank_above == 0  # not split at this K: the whole hook, as before
+    monkeypatch.setattr(fused_lora, "SPLIT_FROM_ROUTES", {full_hook.x.shape[1]: (16, batch.num_pairs)})
+    assert tuner_batch().down.rank_above == 16
+    down = replace(full_hook, rank_above=16)  # on the same activation (the tuner's is drawn unseeded)
+    adapters = batch.adapters.long()
+    above = (adapters >= 0) & (batch.ranks[adapters.clamp(min=0)] > 16)
+    assert above.any() and not above.all()
+    want = full * above[:, None, None]
+    routing = batch.route(16)
+    t = lora_moe.shrink(down.x, down.a, routing, topk=down.topk, max_rank=down.rank, halves=1, config=tune.BASE)
+    expands = tune.expand_launches(down, routing, t)
+    for launch in (tune.hook_launch(down, routing, tune.BASE), next(iter(expands.values()))):
+        down.out.zero_()
+        launch()
+        assert torch.equal(down.out.float(), want)
+    assert tune.one_kernel_launches(down, routing) == {}
 
 
 def shipped_tiles():
