@@ -146,8 +146,9 @@ class Batch:
         act = torch.randn(tok * topk, info.down_lora_a_weights.shape[3], **like)
         cache3 = torch.zeros(tok, topk, hidden.shape[1], **like)
         experts = info.gate_up_lora_b_weights.shape[1]
-        # Where =fast splits the fused down launch by rank (block-fp8 experts), its epilogue adds the adapters up to
-        # that rank and the hook's expand the others: the expand tuned is that one.
+        # Where =fast splits the fused down launch by rank, its epilogue adds the adapters up to that rank and the
+        # hook's expand the others: the expand tuned is that one. The split is placed for block-fp8 experts (the
+        # tuner's); the tiles are keyed by shape, so a bf16 model of a split shape runs the whole expand on them.
         split = fused_lora._placed(tok * topk, r, act.shape[1])
         return cls(problem.topk_ids, token_adapters(info, tok), info.adapter_enabled, info.lora_ranks, experts,
                    tuning.shape_key(hidden.shape[1], act.shape[1], experts, r),
