@@ -214,6 +214,7 @@ def test_a_gpu_the_tiles_do_not_name_takes_the_tiles_it_is_measured_faster_with(
     table = tuning._table(None)
     (shape, buckets), (other, _) = list(table["NVIDIA H200"].items())[:2]
     last = buckets[-1]
+    largest = sizes(shape, last["max_pairs"])
     h200 = tuning.Plan(last["block_m"], tuning._stage(last["gate_up"]), tuning._stage(last["down"]))
     own = tmp_path / "tiles.json"
     own.write_text(json.dumps({**table, "NVIDIA H100 80GB HBM3": {shape: [{**last, "block_m": 16}]}}))
@@ -221,16 +222,16 @@ def test_a_gpu_the_tiles_do_not_name_takes_the_tiles_it_is_measured_faster_with(
     for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"):
         monkeypatch.setattr(tuning, "_gpu", lambda gpu=gpu: gpu)
         tuning._plan.cache_clear()  # cached by shape: one GPU a process
-        plans[gpu] = tuning._plan(*sizes(shape, last["max_pairs"]), None)
+        plans[gpu] = tuning._plan(*largest, None)
         if gpu == "NVIDIA H100 80GB HBM3":
-            assert tuning._plan(*sizes(shape, last["max_pairs"]), str(own)).block_m == 16  # its own tiles first
+            assert tuning._plan(*largest, str(own)).block_m == 16  # its own tiles before another's
             # A bucket and a shape it has none of: the H200's (not its own last bucket, not the rule of thumb).
             for elsewhere in (sizes(shape, buckets[0]["max_pairs"]), sizes(other, 8192)):
                 assert tuning._plan(*elsewhere, str(own)) == tuning._plan(*elsewhere, None)
     none = tmp_path / "none.json"
     none.write_text("{}")
     assert plans["NVIDIA H200"] == plans["NVIDIA H100 80GB HBM3"] == h200
-    assert plans["NVIDIA H100 PCIe"] == tuning._plan(*sizes(shape, last["max_pairs"]), str(none)) != h200  # the rule of thumb
+    assert plans["NVIDIA H100 PCIe"] == tuning._plan(*largest, str(none)) != h200  # the rule of thumb
     tuning._plan.cache_clear()
 
 
