@@ -506,15 +506,17 @@ def test_fast_takes_the_fused_down_launch_only_where_it_is_measured_faster(sglan
 
 
 @pytest.mark.parametrize("split_rank", [16, 32])
+@pytest.mark.parametrize("name", [p for p in case_params() if p.values[0] not in ("ungated", "odd-widths")])
 def test_a_split_fused_down_launch_adds_the_low_ranks_in_its_epilogue_and_the_rest_by_the_hooks_expand(
-        sglang_plugins, runners, monkeypatch, split_rank):
-    """Adapters of ranks 8/16/32/64 with the epilogue taking those up to ``split_rank`` (its rank tile that size) and
-    the hook's expand only the others, over their routes alone: through SGLang's runner, as right against the float32
+        sglang_plugins, runners, monkeypatch, name, split_rank):
+    """Adapters of mixed ranks (8/16/32/64, or 5/12/24/64 with NaN past each rank) with the epilogue taking those up
+    to ``split_rank`` (its rank tile that size) and the hook's expand only the others, over their routes alone, in
+    every case the whole fused launch is tested on (above): through SGLang's runner, as right against the float32
     reference MoE as the unfused fast path. Without the expand, or with the epilogue adding every adapter at the
     smaller tile, the call is wrong."""
     from sglang_lora_tma_guard import fused_lora, lora_moe, moe_gemm
 
-    problem, info = make_case("mixed-ranks-top2", seed=1)
+    problem, info = make_case(name, seed=1)
     epilogues, expands = [], []
     gemm, expand = moe_gemm.moe_gemm, lora_moe.expand
     monkeypatch.setattr(moe_gemm, "moe_gemm", lambda *a, **k: epilogues.append(
@@ -528,7 +530,8 @@ def test_a_split_fused_down_launch_adds_the_low_ranks_in_its_epilogue_and_the_re
         split = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
     finally:
         fused_lora.deactivate()
-    assert epilogues == [(split_rank, [int(r <= split_rank) for r in CASES["mixed-ranks-top2"].ranks])]
+    case = CASES[name]
+    assert epilogues == [(split_rank, [int(on and r <= split_rank) for r, on in zip(case.ranks, case.enabled)])]
     hidden = problem.w2.shape[1]  # the down side's only expand: the fused launch's, for the ranks past it
     assert [above for width, above in expands if width == hidden] == [split_rank]
     unfused = real_lora.run_runner(problem, real_lora.lora_hooks(problem, info), use_tma=True)
