@@ -175,9 +175,12 @@ def lora_batch(shape: dict, ranks_name: str, tokens: int, weights, route_list: s
                      torch.zeros(tokens, topk, hidden.shape[1], dtype=hidden.dtype, device="cuda"))
 
 
-def add_rank_sets_option(parser) -> None:
-    """``--rank-sets``: the adapters' ranks, ``mixed`` (the default) or ``rN`` (four adapters of rank N)."""
-    parser.add_argument("--rank-sets", nargs="+", default=["mixed"], help="mixed, or rN (four adapters of rank N)")
+def add_rank_sets_option(parser, by_shape: bool = False) -> None:
+    """``--rank-sets``: the adapters' ranks, ``mixed`` or ``rN`` (four adapters of rank N); by default ``mixed``, or
+    with ``by_shape`` each shape's own (:func:`shape_rank_sets`)."""
+    parser.add_argument("--rank-sets", nargs="+", default=None if by_shape else ["mixed"],
+                        help="mixed, or rN (four adapters of rank N); default "
+                             + ("mixed and r16 (GLM-5.1), mixed (others)" if by_shape else "mixed"))
 
 
 def parts_table(rows, meta, what: str) -> list[str]:

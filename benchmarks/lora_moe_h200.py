@@ -41,6 +41,7 @@ from benchmarks._lora_setup import (
     BASE_NAMES,
     HBM_BYTES_PER_S,
     add_base_option,
+    add_rank_sets_option,
     floor_bytes,
     fused_down,
     hbm_bytes_per_s,
@@ -187,8 +188,7 @@ def markdown(rows, meta) -> str:
 def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, TOKENS)
     add_base_option(parser)
-    parser.add_argument("--rank-sets", nargs="+", default=None,
-                        help="mixed, or rN (four adapters of rank N); default mixed and r16 (GLM-5.1), mixed (others)")
+    add_rank_sets_option(parser, by_shape=True)
     return run_batches(parser.parse_args(argv), "lora_moe_h200", measure, markdown, hbm_bytes_per_s=hbm_bytes_per_s())
 
 

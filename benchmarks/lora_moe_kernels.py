@@ -50,6 +50,7 @@ from benchmarks._lora_setup import (
     BASE_NAMES,
     HBM_BYTES_PER_S,
     add_base_option,
+    add_rank_sets_option,
     fused_down,
     hbm_bytes_per_s,
     lora_batch,
@@ -356,8 +357,7 @@ def split_table(rows) -> list[str]:
 def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, TOKENS)
     add_base_option(parser)
-    parser.add_argument("--rank-sets", nargs="+", default=None,
-                        help="mixed, or rN (four adapters of rank N); default mixed and r16 (GLM-5.1), mixed (others)")
+    add_rank_sets_option(parser, by_shape=True)
     parser.add_argument("--split-rank", type=int, default=None,
                         help="also time the whole call with the fused down launch split at this rank (fused, split)")
     args = parser.parse_args(argv)

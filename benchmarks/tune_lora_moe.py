@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._bench import benchmark_parser, capture, prepare_sglang, replay_times, results_dir
-from benchmarks._lora_setup import batches, lora_info, shape_rank_sets
+from benchmarks._lora_setup import add_rank_sets_option, batches, lora_info, shape_rank_sets
 from harness import tables, tiny_moe
 from sglang_lora_tma_guard import fused_lora, lora_moe, tuning
 from sglang_lora_tma_guard.lora_path import token_adapters
@@ -336,8 +336,7 @@ def main(argv=None) -> int:
                         help="processes that compile every candidate before the timing starts (0 or 1: none)")
     parser.add_argument("--compile-timeout", type=float, default=240, help="seconds the warm-up may take")
     parser.add_argument("--against", metavar="FILE", help="no tuning: the shipped tiles against FILE's, timed")
-    parser.add_argument("--rank-sets", nargs="+", default=None,
-                        help="mixed, or rN (four adapters of rank N); default mixed and r16 (GLM-5.1), mixed (others)")
+    add_rank_sets_option(parser, by_shape=True)
     args = parser.parse_args(argv)
     if args.against and not Path(args.against).is_file():  # the package would fall back to its own table
         parser.error(f"--against {args.against}: no such file")
