@@ -313,12 +313,6 @@ def warm_all(jobs: list[tuple[str, str, int]], workers: int, timeout_s: float) -
         pool.join()
 
 
-def _place(buckets: list, entry: dict) -> None:
-    """``entry`` in place of the bucket of its pair count, or added where the table has none."""
-    buckets[:] = sorted([b for b in buckets if b["max_pairs"] != entry["max_pairs"]] + [entry],
-                        key=lambda b: b["max_pairs"])
-
-
 def _tiles(t: dict) -> str:
     if t.get("one_kernel"):
         return (f"one kernel k{t['shrink_block_k']} n{t['expand_block_n']} w{t['expand_warps']} "
@@ -358,7 +352,7 @@ def main(argv=None) -> int:
     for name, shape, ranks_name, tokens, weights in batches(args.shapes, args.tokens, args.rank_sets):
         t0 = time.perf_counter()
         key, entry = tune_batch(shape, ranks_name, tokens, weights)
-        _place(tiles[gpu].setdefault(key, []), entry)
+        tiles[gpu][key] = tuning.merged(tiles[gpu].get(key, []), [entry])
         line = table.add(name, ranks_name, tokens, entry["block_m"], _tiles(entry["gate_up"]), _tiles(entry["down"]),
                          f"{entry['ms']:.3f}")
         print(line, f"  # {time.perf_counter() - t0:.1f} s", flush=True)

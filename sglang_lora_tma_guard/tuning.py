@@ -97,9 +97,12 @@ def tiles_of(table: dict, gpu: str) -> dict:
     """The tiles ``gpu`` takes from ``table``, by layer shape: the buckets tuned on it, and where it has none of a
     bucket's size, those of the GPU :data:`TILES_OF` names for it; none (``{}``) if neither is there."""
     own, lent = table.get(gpu, {}), table.get(TILES_OF.get(gpu), {})
-    return {key: sorted({b["max_pairs"]: b for b in lent.get(key, []) + own.get(key, [])}.values(),
-                        key=lambda b: b["max_pairs"])
-            for key in {**lent, **own}}
+    return {key: merged(lent.get(key, []), own.get(key, [])) for key in {**lent, **own}}
+
+
+def merged(buckets: list, over: list) -> list:
+    """``buckets`` with each of ``over`` in place of the bucket of its size (or added), in rising sizes."""
+    return sorted({b["max_pairs"]: b for b in buckets + over}.values(), key=lambda b: b["max_pairs"])
 
 
 def rule_block_m(num_pairs: int, num_keys: int) -> int:
