@@ -19,11 +19,13 @@
 # tune-ab: tune, then the kernel table with the tuned tiles and with the shipped ones, alternated twice
 # (under $OUT/tuned1, shipped1, tuned2, shipped2): what the new tiles buy, on one machine. Its arguments
 # go to both scripts (--shapes, --tokens).
+# tune-against: tune, then the whole LoRA work of each batch with the tuned tiles against the shipped ones, twice
+# (benchmarks/tune_lora_moe.py --against, under $OUT/against1 and against2): the tiles' A/B in a minute or two.
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 1; }
 export OUT="${OUT:-results}"; mkdir -p "$OUT"
 what="${1:-all}"; shift || true
-if [ "$what" = tune ] || [ "$what" = all ] || [ "$what" = tune-ab ]; then
+if [ "$what" = tune ] || [ "$what" = all ] || [ "$what" = tune-ab ] || [ "$what" = tune-against ]; then
   # Stopped by the time limit, the tune has written the batches it finished: what follows runs with those.
   timeout "${TUNE_S:-300}" python3 -m benchmarks.tune_lora_moe --out "$OUT" "$@" || echo "tune stopped (exit $?)"
 fi
@@ -34,6 +36,13 @@ if [ "$what" = tune-ab ]; then
       python3 -m benchmarks.lora_moe_kernels --out "$OUT/tuned$i" "$@" || echo "tuned$i stopped (exit $?)"
     timeout "${BENCH_S:-280}" python3 -m benchmarks.lora_moe_kernels --out "$OUT/shipped$i" "$@" \
       || echo "shipped$i stopped (exit $?)"
+  done
+  exit 0
+fi
+if [ "$what" = tune-against ]; then
+  for i in 1 2; do
+    timeout "${BENCH_S:-120}" python3 -m benchmarks.tune_lora_moe --against "$OUT/lora_moe_tiles.json" \
+      --out "$OUT/against$i" "$@" || echo "against$i stopped (exit $?)"
   done
   exit 0
 fi
