@@ -10,6 +10,7 @@ The tiles: those ``tuning`` takes on this GPU (``tuning.tiles_of``: its own, or 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 
@@ -23,7 +24,7 @@ def main(argv=None) -> int:
     parser.add_argument("--from-pairs", type=int, default=0)
     args = parser.parse_args(argv)
     gpu = tuning._gpu()
-    shapes = tuning.tiles_of(tuning._table(None), gpu)
+    shapes = copy.deepcopy(tuning.tiles_of(tuning._table(None), gpu))  # the shipped table is cached: changed here, not there
     if not shapes:
         raise SystemExit(f"no shipped tiles for this GPU ({gpu or 'none'}): it takes the rule of thumb")
     for change in args.changes:

@@ -4,6 +4,7 @@ a stand-in for ``sglang.launch_server`` (``tests/fake_server``: the H200 runs us
 
 from __future__ import annotations
 
+import copy
 import gzip
 import inspect
 import json
@@ -762,18 +763,21 @@ def test_tiles_with_writes_the_shipped_tiles_with_a_field_changed_from_a_bucket_
     from benchmarks import tiles_with
     from sglang_lora_tma_guard import tuning
 
-    monkeypatch.setattr(tuning, "_gpu", lambda: "NVIDIA H100 80GB HBM3")  # takes the H200's tiles (TILES_OF)
+    gpu = "NVIDIA H100 80GB HBM3"  # its own tuned buckets and the H200's (TILES_OF)
+    monkeypatch.setattr(tuning, "_gpu", lambda: gpu)
+    shipped = copy.deepcopy(tuning._table(None))
     out = tmp_path / "tiles.json"
     assert tiles_with.main([str(out), "gate_up.shrink_block_r=64", "--from-pairs", "16384"]) == 0
-    shape, buckets = next(iter(tuning._table(None)["NVIDIA H200"].items()))
-    sizes = [int(part.split("=")[1]) for part in shape.split()]
+    assert tuning._table(None) == shipped  # the cached shipped table is not what it changed
     tuning._plan.cache_clear()
     try:
-        for bucket in buckets:
-            plan = tuning._plan(bucket["max_pairs"], sizes[0], sizes[1], sizes[2], 4, sizes[3], str(out))
-            changed = bucket["max_pairs"] >= 16384
-            assert plan.gate_up.shrink_block_r == (64 if changed else bucket["gate_up"]["shrink_block_r"])
-            assert plan.down == tuning._stage(bucket["down"]) and plan.block_m == bucket["block_m"]
+        for shape, buckets in tuning.tiles_of(shipped, gpu).items():
+            sizes = [int(part.split("=")[1]) for part in shape.split()]
+            for bucket in buckets:
+                plan = tuning._plan(bucket["max_pairs"], sizes[0], sizes[1], sizes[2], 4, sizes[3], str(out))
+                changed = bucket["max_pairs"] >= 16384
+                assert plan.gate_up.shrink_block_r == (64 if changed else bucket["gate_up"]["shrink_block_r"])
+                assert plan.down == tuning._stage(bucket["down"]) and plan.block_m == bucket["block_m"]
     finally:
         tuning._plan.cache_clear()
 

@@ -203,35 +203,46 @@ def test_the_shipped_tiles_name_only_known_tiles_in_rising_buckets():
 
 
 def test_a_gpu_the_tiles_do_not_name_takes_the_tiles_it_is_measured_faster_with(monkeypatch, tmp_path):
-    """An H100 SXM takes the H200's tiles (``tuning.TILES_OF``); where the data holds buckets tuned on it, those, and
-    the H200's for every other bucket and shape; any other GPU the rule of thumb."""
+    """An H100 SXM takes the buckets tuned on it, and the H200's (``tuning.TILES_OF``) for every other bucket and
+    shape; any other GPU the rule of thumb. So with the shipped data and with a file of other H100 buckets."""
     import json
+
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 
     def sizes(shape_key: str, pairs: int) -> tuple:  # what tuning._plan takes, 4 adapters
         hidden, intermediate, experts, rank = (int(part.split("=")[1]) for part in shape_key.split())
         return pairs, hidden, intermediate, experts, 4, rank
 
-    table = tuning._table(None)
-    (shape, buckets), (other, _) = list(table["NVIDIA H200"].items())[:2]
-    last = buckets[-1]
-    largest = sizes(shape, last["max_pairs"])
-    h200 = tuning.Plan(last["block_m"], tuning._stage(last["gate_up"]), tuning._stage(last["down"]))
-    own = tmp_path / "tiles.json"
-    own.write_text(json.dumps({**table, "NVIDIA H100 80GB HBM3": {shape: [{**last, "block_m": 16}]}}))
-    plans = {}
-    for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"):
-        monkeypatch.setattr(tuning, "_gpu", lambda gpu=gpu: gpu)
+    def plan_of(bucket: dict) -> tuning.Plan:
+        return tuning.Plan(bucket["block_m"], tuning._stage(bucket["gate_up"]), tuning._stage(bucket["down"]))
+
+    def plan_on(gpu: str, *args) -> tuning.Plan:
+        monkeypatch.setattr(tuning, "_gpu", lambda: gpu)
         tuning._plan.cache_clear()  # cached by shape: one GPU a process
-        plans[gpu] = tuning._plan(*largest, None)
-        if gpu == "NVIDIA H100 80GB HBM3":
-            assert tuning._plan(*largest, str(own)).block_m == 16  # its own tiles before another's
-            # A bucket and a shape it has none of: the H200's (not its own last bucket, not the rule of thumb).
-            for elsewhere in (sizes(shape, buckets[0]["max_pairs"]), sizes(other, 8192)):
-                assert tuning._plan(*elsewhere, str(own)) == tuning._plan(*elsewhere, None)
+        return tuning._plan(*args)
+
+    table = tuning._table(None)
+    own_shipped = {(shape, b["max_pairs"]): b for shape, buckets in table[h100].items() for b in buckets}
+    taken = {"own": 0, "lent": 0}
+    for shape, buckets in table[h200].items():
+        for bucket in buckets:
+            own = own_shipped.get((shape, bucket["max_pairs"]))
+            taken["own" if own else "lent"] += 1
+            assert plan_on(h100, *sizes(shape, bucket["max_pairs"]), None) == plan_of(own or bucket)
+            assert plan_on(h200, *sizes(shape, bucket["max_pairs"]), None) == plan_of(bucket)
+    assert taken["own"] and taken["lent"]
+
+    (shape, buckets), (other, _) = list(table[h200].items())[:2]
+    largest = sizes(shape, buckets[-1]["max_pairs"])
+    own = tmp_path / "tiles.json"
+    own.write_text(json.dumps({**table, h100: {shape: [{**buckets[-1], "block_m": 16}]}}))
+    assert plan_on(h100, *largest, str(own)).block_m == 16  # its own tiles before another's
+    # A bucket and a shape it has none of in that file: the H200's (not its own last bucket, not the rule of thumb).
+    for elsewhere in (sizes(shape, buckets[0]["max_pairs"]), sizes(other, 8192)):
+        assert plan_on(h100, *elsewhere, str(own)) == plan_on(h200, *elsewhere, None)
     none = tmp_path / "none.json"
     none.write_text("{}")
-    assert plans["NVIDIA H200"] == plans["NVIDIA H100 80GB HBM3"] == h200
-    assert plans["NVIDIA H100 PCIe"] == tuning._plan(*largest, str(none)) != h200  # the rule of thumb
+    assert plan_on("NVIDIA H100 PCIe", *largest, None) == plan_on(h200, *largest, str(none)) != plan_of(buckets[-1])
     tuning._plan.cache_clear()
 
 
