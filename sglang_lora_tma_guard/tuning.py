@@ -4,10 +4,9 @@ Tuned tiles ship as data (``lora_moe_tiles.json``, written by ``benchmarks/tune_
 H200, a few buckets on an H100): per GPU name and per layer shape (hidden, intermediate per shard, experts
 in the LoRA buffers, max rank), for buckets of pairs (tokens x topk), the rows per block and both hooks'
 tiles that were fastest in that sweep. ``SGLANG_LORA_TMA_GUARD_TILES`` names another such file to read
-instead. A GPU may
-take another's tiles for the buckets the data has none of its own of (:data:`TILES_OF`). Where the data has
-nothing for this GPU and shape, a rule of thumb: blocks of about the pairs each virtual expert gets, and K
-split when too few blocks would fill the GPU.
+instead. A GPU may take another's tiles for the buckets the data has none of its own of (:data:`TILES_OF`).
+Where the data has nothing for this GPU and shape, a rule of thumb: blocks of about the pairs each virtual
+expert gets, and K split when too few blocks would fill the GPU.
 """
 
 from __future__ import annotations
