@@ -246,6 +246,29 @@ def test_a_gpu_the_tiles_do_not_name_takes_the_tiles_it_is_measured_faster_with(
     tuning._plan.cache_clear()
 
 
+def test_a_shape_or_gpu_the_tiles_do_not_cover_is_said_once_with_how_to_tune_it(monkeypatch, caplog):
+    """Where the fast path takes the rule of thumb (no tuned tiles for the shape on this GPU), the server's log
+    says so once a shape, and how to tune them; where it takes tuned tiles, nothing."""
+    monkeypatch.setattr(log, "said", set())
+    qwen3_tp1 = (2048, 768, 128, 4, 64)  # hidden, intermediate, experts, adapters, max rank: shipped for the H200
+    narrow = (1024, 256, 16, 4, 16)  # no such shape shipped
+    for gpu, sizes, said in (("NVIDIA H200", qwen3_tp1, False), ("NVIDIA H100 80GB HBM3", qwen3_tp1, False),
+                             ("NVIDIA H200", narrow, True), ("NVIDIA B200", qwen3_tp1, True)):
+        monkeypatch.setattr(tuning, "_gpu", lambda gpu=gpu: gpu)
+        tuning._plan.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sglang_lora_tma_guard"):
+            for pairs in (8, 4096, 65536):
+                tuning._plan(pairs, *sizes, None)
+        lines = [r.getMessage() for r in caplog.records if "no LoRA MoE tiles tuned" in r.getMessage()]
+        assert len(lines) == said, (gpu, sizes, lines)
+        if said:
+            key = tuning.shape_key(*sizes[:3], sizes[4])
+            assert f"for {key} on {gpu}" in lines[0] and "benchmarks/tune_lora_moe.py" in lines[0]
+            assert tuning.TILES_ENV in lines[0]
+    tuning._plan.cache_clear()
+
+
 ONE_KERNEL = lora_moe.StageConfig(one_kernel=True, shrink_block_k=64, expand_block_n=32, expand_n_tiles=3)
 
 
