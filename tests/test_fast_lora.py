@@ -202,7 +202,7 @@ def test_the_shipped_tiles_name_only_known_tiles_in_rising_buckets():
                 assert set(entry[hook]) <= names, set(entry[hook]) - names
 
 
-def test_a_gpu_the_tiles_do_not_name_takes_the_tiles_it_is_measured_faster_with(monkeypatch, tmp_path):
+def test_an_h100_takes_its_own_tuned_buckets_and_the_h200s_for_the_rest_and_other_gpus_the_rule_of_thumb(monkeypatch, tmp_path):
     """An H100 SXM takes the buckets tuned on it, and the H200's (``tuning.TILES_OF``) for every other bucket and
     shape; any other GPU the rule of thumb. So with the shipped data and with a file of other H100 buckets."""
     import json
