@@ -18,8 +18,8 @@ taken costs nothing and loses nothing. Not under ``torch.compile`` (the hooks' c
 
 Where it runs: ``=fast`` places it for the batches it is measured faster on (:data:`FASTER_FROM_ROUTES`:
 by the down GEMM's K, max rank and batch size; block-fp8 experts), or split by rank where only that is
-(:data:`SPLIT_FROM_ROUTES`: the epilogue adds the adapters up to a rank, the hook's expand the others'
-deltas after it); every other batch keeps the hook's expand.
+(:data:`SPLIT_FROM_ROUTES`, a GPU's own rows in :data:`SPLIT_FROM_ROUTES_ON`: the epilogue adds the adapters up to
+a rank, the hook's expand the others' deltas after it); every other batch keeps the hook's expand.
 :func:`activate` with ``everywhere`` takes every batch it covers (tests, benchmarks). Right:
 ``tests/test_fast_lora.py``, ``tests/test_fused_lora.py``; measured: ``docs/lora_moe_floor.md``.
 """
@@ -108,6 +108,14 @@ split at 32 against the hooks (and the gate-up work in the activation), one H100
   (1.47 / 1.43 at 8192): not taken.
 - K 768 (tp 1): the whole launch faster at 8192 tokens (1.80 against 1.81 split), split 3% faster at 4096: not
   taken. At 16, split at 16 instead of 32: slower at 8192 tokens on every shape, within 2% elsewhere."""
+SPLIT_FROM_ROUTES_ON: dict[str, dict[int, tuple[int, int]]] = {"NVIDIA H100 80GB HBM3": {256: (32, 32768)}}
+"""A GPU's own rows of :data:`SPLIT_FROM_ROUTES` (by its name, as ``tuning`` knows it), where it is measured faster
+split from other batches. The H100 SXM at K 256 from 4096 tokens: GLM-5.1 TP8 at ranks 8/16/32/64, the whole hooked
+call 1.956-1.968 ms split against 2.025-2.026 as ``=fast`` placed it before (the gate-up expand in the activation,
+the down expand a hook), four tables of one machine (``benchmarks/results/lora_moe/h100-tune/``, the ``fused, split``
+and ``fused`` columns); 1.94 against 2.09 with the rule of thumb's tiles, and every adapter of rank 64 2.37 against
+2.45, in another (``.../split/``). At 2048 tokens 1.36 against 1.40 in one table only: not taken. The H200's K 256
+thresholds, with its relatively faster hooks, start at 8192 tokens; at 4096 it is not measured."""
 _everywhere = False
 _split_rank: int | None = None
 _failed: dict[tuple, str] = {}
@@ -323,7 +331,9 @@ def _placed(routes: int, max_rank: int, k: int) -> int | None:
     from_routes = next((n for rank, n in FASTER_FROM_ROUTES.get(k, ()) if max_rank <= rank), None)
     if from_routes is not None and routes >= from_routes:
         return max_rank
-    rank, from_routes = SPLIT_FROM_ROUTES.get(k, (max_rank, None))
+    from .tuning import _gpu
+
+    rank, from_routes = SPLIT_FROM_ROUTES_ON.get(_gpu(), {}).get(k) or SPLIT_FROM_ROUTES.get(k, (max_rank, None))
     return rank if rank < max_rank and from_routes is not None and routes >= from_routes else None
 
 

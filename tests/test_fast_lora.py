@@ -587,6 +587,12 @@ def test_fast_splits_the_fused_down_launch_by_rank_where_the_table_says(sglang_p
     assert [fused_lora.epilogue_rank(routes, 16, k) for routes in (99, 100, 200)] == [None, 16, 16]
     assert fused_lora.epilogue_rank(200, 32, k) is None  # up to 32 is the split's own tile: not a split
     assert fused_lora.epilogue_rank(200, 64, k + 1) is None
+    # A GPU's own rows (SPLIT_FROM_ROUTES_ON) before the table's; another GPU keeps the table's.
+    monkeypatch.setattr(fused_lora, "SPLIT_FROM_ROUTES_ON", {"GPU A": {k: (16, 150)}})
+    for gpu, ranks in (("GPU A", [None, 16, 16]), ("GPU B", [None, None, 32])):
+        monkeypatch.setattr(tuning, "_gpu", lambda gpu=gpu: gpu)
+        assert [fused_lora.epilogue_rank(routes, 64, k) for routes in (149, 150, 200)] == ranks, gpu
+        assert fused_lora.epilogue_rank(150, 16, k) == 16  # the whole launch where it is placed, on any GPU
     fused_lora.deactivate()
     assert fused_lora.epilogue_rank(200, 64, k) is None
 
