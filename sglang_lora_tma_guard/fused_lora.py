@@ -113,8 +113,9 @@ SPLIT_FROM_ROUTES_ON: dict[str, dict[int, tuple[int, int]]] = {"NVIDIA H100 80GB
 split from other batches. The H100 SXM at K 256 from 4096 tokens: GLM-5.1 TP8 at ranks 8/16/32/64, the whole hooked
 call 1.956-1.968 ms split against 2.025-2.026 as ``=fast`` placed it before (the gate-up expand in the activation,
 the down expand a hook), four tables of one machine (``benchmarks/results/lora_moe/h100-tune/``, the ``fused, split``
-and ``fused`` columns); 1.94 against 2.09 with the rule of thumb's tiles, and every adapter of rank 64 2.37 against
-2.45, in another (``.../split/``). At 2048 tokens 1.36 against 1.40 in one table only: not taken. The H200's K 256
+and ``fused`` columns); 1.94 against 2.00 with the H200's tiles and 1.93-1.94 against 2.09 with the rule of thumb's in
+three more, of two other leases (``.../tiles-on-h100/``, ``.../split/``); every adapter of rank 64 2.37 against 2.45
+(``.../split/``). At 2048 tokens 1.36 against 1.40 in one table only: not taken. The H200's K 256
 thresholds, with its relatively faster hooks, start at 8192 tokens; at 4096 it is not measured."""
 _everywhere = False
 _split_rank: int | None = None
