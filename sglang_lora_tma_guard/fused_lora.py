@@ -17,7 +17,8 @@ SGLang's launcher untouched, and ``after_down`` then adds the delta itself: an o
 taken costs nothing and loses nothing. Not under ``torch.compile`` (the hooks' custom ops run there).
 
 Where it runs: ``=fast`` places it for the batches it is measured faster on (:data:`FASTER_FROM_ROUTES`:
-by the down GEMM's K, max rank and batch size; block-fp8 experts), or split by rank where only that is
+by the down GEMM's K, max rank and batch size; block-fp8 experts; a GPU's own rows in
+:data:`FASTER_FROM_ROUTES_ON`), or split by rank where only that is
 (:data:`SPLIT_FROM_ROUTES`, a GPU's own rows in :data:`SPLIT_FROM_ROUTES_ON`: the epilogue adds the adapters up to
 a rank, the hook's expand the others' deltas after it); every other batch keeps the hook's expand.
 :func:`activate` with ``everywhere`` takes every batch it covers (tests, benchmarks). Right:
@@ -94,6 +95,17 @@ fused against unfused (SGLang's down GEMM + the fast down hook), ms:
 
 Other widths are not measured.
 """
+FASTER_FROM_ROUTES_ON: dict[str, dict[int, tuple[tuple[int, int], ...]]] = {
+    "NVIDIA H100 80GB HBM3": {256: ((8, 32768), (16, 16384), (32, 8192))}}
+"""A GPU's own rows of :data:`FASTER_FROM_ROUTES` at a K (by its name, as ``tuning`` knows it), where its unfused
+side pays earlier. The H100 SXM at K 256 (GLM-5.1 TP8), one machine (``benchmarks/results/lora_moe/h100-k256/``):
+rank 32 from 1024 tokens, the down side fused against unfused 0.44 / 0.48 ms at 1024 tokens, 0.57 / 0.60 at 2048
+(three tables), 0.70 / 0.95 at 4096, and the whole hooked call 1.07 against 1.12 ms at 1024 tokens (two tables),
+1.31 / 1.35 at 2048 (three), 1.69 / 1.95 at 4096 (one); rank 16 from 2048 tokens as on the H200 (0.49 / 0.52 ms
+there, the whole call 1.10 / 1.13; at 1024 a tie, 0.883 / 0.885); rank 8 from 4096 as on the H200 (at 2048 0.51 /
+0.51). Past rank 32 the split (:data:`SPLIT_FROM_ROUTES_ON`): with ranks 8/16/32/64 it beats the whole launch (2.70
+against 2.92 ms at 8192 tokens, 1.41 / 1.57 at 2048); only with every adapter of rank 64, at 8192 tokens, is the
+whole launch faster (3.27 against 3.37), and the pool's max rank does not tell the two batches apart."""
 SPLIT_FROM_ROUTES: dict[int, tuple[int, int]] = {256: (32, 65536)}
 """Where :data:`FASTER_FROM_ROUTES` takes no batch of a max rank at a K: (a rank R, from that many routes) there the
 fused down launch takes the adapters up to rank R in its epilogue (the tile of rank R), and the hook's expand then
@@ -108,15 +120,17 @@ split at 32 against the hooks (and the gate-up work in the activation), one H100
   (1.47 / 1.43 at 8192): not taken.
 - K 768 (tp 1): the whole launch faster at 8192 tokens (1.80 against 1.81 split), split 3% faster at 4096: not
   taken. At 16, split at 16 instead of 32: slower at 8192 tokens on every shape, within 2% elsewhere."""
-SPLIT_FROM_ROUTES_ON: dict[str, dict[int, tuple[int, int]]] = {"NVIDIA H100 80GB HBM3": {256: (32, 32768)}}
+SPLIT_FROM_ROUTES_ON: dict[str, dict[int, tuple[int, int]]] = {"NVIDIA H100 80GB HBM3": {256: (32, 16384)}}
 """A GPU's own rows of :data:`SPLIT_FROM_ROUTES` (by its name, as ``tuning`` knows it), where it is measured faster
-split from other batches. The H100 SXM at K 256 from 4096 tokens: GLM-5.1 TP8 at ranks 8/16/32/64, the whole hooked
-call 1.956-1.968 ms split against 2.025-2.026 as ``=fast`` placed it before (the gate-up expand in the activation,
-the down expand a hook), four tables of one machine (``benchmarks/results/lora_moe/h100-tune/``, the ``fused, split``
-and ``fused`` columns); 1.94 against 2.00 with the H200's tiles and 1.93-1.94 against 2.09 with the rule of thumb's in
-three more, of two other leases (``.../tiles-on-h100/``, ``.../split/``); every adapter of rank 64 2.37 against 2.45
-(``.../split/``). At 2048 tokens 1.36 against 1.40 in one table only: not taken. The H200's K 256
-thresholds, with its relatively faster hooks, start at 8192 tokens; at 4096 it is not measured."""
+split from other batches. The H100 SXM at K 256 from 2048 tokens: GLM-5.1 TP8 at ranks 8/16/32/64, the whole hooked
+call at 4096 tokens 1.956-1.968 ms split against 2.025-2.026 as ``=fast`` placed it before (the gate-up expand in the
+activation, the down expand a hook), four tables of one machine (``benchmarks/results/lora_moe/h100-tune/``, the
+``fused, split`` and ``fused`` columns); 1.94 against 2.00 with the H200's tiles and 1.93-1.94 against 2.09 with the
+rule of thumb's in three more, of two other leases (``.../tiles-on-h100/``, ``.../split/``); every adapter of rank 64
+2.37 against 2.45 (``.../split/``). At 2048 tokens 1.405-1.408 against 1.449-1.452 in three tables of one more machine
+(``.../h100-k256/kernels/k1``, ``k2``, ``k6``; 1.36 / 1.40 in ``.../split/``), every adapter of rank 64 1.823-1.826
+against 1.876-1.877; at 1024 slower (1.152 against 1.123; rank 64 1.559 / 1.511): not taken there. The H200's K 256
+thresholds, with its relatively faster hooks, start at 8192 tokens; below it is not measured."""
 _everywhere = False
 _split_rank: int | None = None
 _failed: dict[tuple, str] = {}
@@ -329,12 +343,14 @@ def epilogue_rank(routes: int, max_rank: int, k: int) -> int | None:
 
 
 def _placed(routes: int, max_rank: int, k: int) -> int | None:
-    from_routes = next((n for rank, n in FASTER_FROM_ROUTES.get(k, ()) if max_rank <= rank), None)
-    if from_routes is not None and routes >= from_routes:
-        return max_rank
     from .tuning import _gpu
 
-    rank, from_routes = SPLIT_FROM_ROUTES_ON.get(_gpu(), {}).get(k) or SPLIT_FROM_ROUTES.get(k, (max_rank, None))
+    gpu = _gpu()
+    rows = FASTER_FROM_ROUTES_ON.get(gpu, {}).get(k) or FASTER_FROM_ROUTES.get(k, ())
+    from_routes = next((n for rank, n in rows if max_rank <= rank), None)
+    if from_routes is not None and routes >= from_routes:
+        return max_rank
+    rank, from_routes = SPLIT_FROM_ROUTES_ON.get(gpu, {}).get(k) or SPLIT_FROM_ROUTES.get(k, (max_rank, None))
     return rank if rank < max_rank and from_routes is not None and routes >= from_routes else None
 
 

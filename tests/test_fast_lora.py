@@ -576,7 +576,7 @@ def test_a_split_fused_down_launch_adds_the_low_ranks_in_its_epilogue_and_the_re
 def test_fast_splits_the_fused_down_launch_by_rank_where_the_table_says(sglang_plugins, runners, monkeypatch):
     """``SPLIT_FROM_ROUTES``: a batch whose max rank no rank of ``FASTER_FROM_ROUTES`` covers at its K takes the fused
     launch for the adapters up to the rank it names, from the routes it names, and not short of them; a batch the
-    whole launch covers keeps it whole."""
+    whole launch covers keeps it whole. A GPU's own rows of either table (``..._ON``) replace the table's there."""
     from sglang_lora_tma_guard import fused_lora
 
     sglang_plugins("fast")
@@ -593,6 +593,12 @@ def test_fast_splits_the_fused_down_launch_by_rank_where_the_table_says(sglang_p
         monkeypatch.setattr(tuning, "_gpu", lambda gpu=gpu: gpu)
         assert [fused_lora.epilogue_rank(routes, 64, k) for routes in (149, 150, 200)] == ranks, gpu
         assert fused_lora.epilogue_rank(150, 16, k) == 16  # the whole launch where it is placed, on any GPU
+    # A GPU's own whole-launch rows (FASTER_FROM_ROUTES_ON) too: in place of the table's at that K, on that GPU only.
+    monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES_ON", {"GPU A": {k: ((16, 300), (64, 120))}})
+    for gpu, ranks, rank_16 in (("GPU A", [None, 64, 64], None), ("GPU B", [None, None, 32], 16)):
+        monkeypatch.setattr(tuning, "_gpu", lambda gpu=gpu: gpu)
+        assert [fused_lora.epilogue_rank(routes, 64, k) for routes in (119, 120, 200)] == ranks, gpu
+        assert fused_lora.epilogue_rank(150, 16, k) == rank_16, gpu
     fused_lora.deactivate()
     assert fused_lora.epilogue_rank(200, 64, k) is None
 
