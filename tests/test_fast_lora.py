@@ -603,6 +603,24 @@ def test_fast_splits_the_fused_down_launch_by_rank_where_the_table_says(sglang_p
     assert fused_lora.epilogue_rank(200, 64, k) is None
 
 
+def test_the_shipped_placement_rows_are_read_as_written():
+    """The fused launch's shipped tables: a GPU's own rows are under a name the shipped tiles know (``_gpu`` reads it
+    from the device; a misspelt name would leave them unread), every row list ascends by rank (``_placed`` takes the
+    first row covering the max rank), and a split rank is below the most the epilogue takes (a rank past it splits off
+    nothing)."""
+    from sglang_lora_tma_guard import fused_lora
+
+    shipped_gpus = set(tuning._table(None)) | set(tuning.TILES_OF)
+    assert set(fused_lora.FASTER_FROM_ROUTES_ON) | set(fused_lora.SPLIT_FROM_ROUTES_ON) <= shipped_gpus
+    tables = [fused_lora.FASTER_FROM_ROUTES, *fused_lora.FASTER_FROM_ROUTES_ON.values()]
+    for rows in (rows for table in tables for rows in table.values()):
+        ranks = [rank for rank, _ in rows]
+        assert ranks == sorted(set(ranks)) and all(routes > 0 for _, routes in rows), rows
+    for table in (fused_lora.SPLIT_FROM_ROUTES, *fused_lora.SPLIT_FROM_ROUTES_ON.values()):
+        for k, (rank, routes) in table.items():
+            assert routes > 0 and 0 < rank < fused_lora.MAX_RANK, (k, rank)
+
+
 @pytest.mark.parametrize(("k", "max_rank", "block_n", "stages", "k_loop", "n_tiles"), [
     (256, 16, 128, 2, 0, 16), (256, 32, 128, 2, 0, 16), (256, 64, 64, 2, 0, 16),  # GLM-5.1 TP8: two K tiles
     # Qwen3-30B-A3B tp2: three, a K loop measured fastest up to rank 16, past it 64-wide columns unrolled
