@@ -3,7 +3,7 @@
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
 # default LoRA MoE path with those tiles; or each kernel of the fast path against its floor (kernels).
 # Results under ${OUT:-results}/.
-#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|act|place-act|tune-ab|race|launch|down|gate-up] [extra arguments for the Python scripts]
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|act|place-act|tune-ab|race|launch|down|gate-up|thresholds] [extra arguments for the Python scripts]
 # gate-up: benchmarks/gate_up_gemm.py (bf16 experts: SGLang's gate-up GEMM and the hook's shrink, against this
 # package's gate-up GEMM with the shrink in its K loop).
 # down: benchmarks/down_gemm.py (the down GEMM alone: SGLang's, this package's over tile variants, the down
@@ -21,6 +21,12 @@
 # go to both scripts (--shapes, --tokens).
 # tune-against: tune, then the whole LoRA work of each batch with the tuned tiles against the shipped ones, twice
 # (benchmarks/tune_lora_moe.py --against, under $OUT/against1 and against2): the tiles' A/B in a minute or two.
+# thresholds: what fused_lora's placement rows (FASTER_FROM_ROUTES, SPLIT_FROM_ROUTES and their _ON rows by GPU) are
+# read from, on this GPU, in one call (about 7 minutes): the down side at every rank set, 1024-8192 tokens
+# (down_gemm.py and fused_policy.md, under $OUT/down), then the whole hooked call at ranks 32, mixed and 64, 1024-4096
+# tokens, with the fused launch whole and split at 32 at every batch (FUSED_DOWN=everywhere, --split-rank 32: the
+# fast, fused and fused-split columns) twice, under $OUT/kernels1 and kernels2. GLM-5.1 TP8 (K 256) by default;
+# arguments replace the batches of all three.
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 1; }
 export OUT="${OUT:-results}"; mkdir -p "$OUT"
@@ -76,4 +82,16 @@ fi
 if [ "$what" = down ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.down_gemm --out "$OUT" "$@" || echo "down_gemm stopped (exit $?)"
   python3 -m benchmarks.fused_policy "$OUT/down_gemm.json" | tee "$OUT/fused_policy.md"
+fi
+if [ "$what" = thresholds ]; then
+  down=(--shapes glm51-fp8-tp8 --rank-sets r8 r16 r32 mixed r64 --tokens 1024 2048 4096 8192)
+  whole=(--shapes glm51-fp8-tp8 --rank-sets r32 mixed r64 --tokens 1024 2048 4096)
+  if [ $# -gt 0 ]; then down=("$@"); whole=("$@"); fi
+  timeout "${BENCH_S:-280}" python3 -m benchmarks.down_gemm --out "$OUT/down" --parts "SGLang's list ordered" "${down[@]}" \
+    || echo "down_gemm stopped (exit $?)"
+  python3 -m benchmarks.fused_policy "$OUT/down/down_gemm.json" | tee "$OUT/down/fused_policy.md"
+  for i in 1 2; do
+    FUSED_DOWN=everywhere timeout "${KERNELS_S:-150}" python3 -m benchmarks.lora_moe_kernels --out "$OUT/kernels$i" \
+      --split-rank 32 "${whole[@]}" || echo "kernels$i stopped (exit $?)"
+  done
 fi
