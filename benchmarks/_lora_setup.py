@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch
 from harness import real_lora
 
 RANK_SETS = {"mixed": (8, 16, 32, 64), "r16": (16, 16, 16, 16)}
+PADDED = re.compile(r"r(\d+)in(\d+)")
 HBM_BYTES_PER_S = 4.3e12  # what an H200 streams in practice (FACTS.md section 3)
 HBM_BYTES_PER_S_OF = {"NVIDIA H100 80GB HBM3": 3.35e12}
 """GPUs whose floors take their own bandwidth: the H100 SXM's datasheet peak (NVIDIA: 3.35 TB/s), which no run there
@@ -32,8 +34,17 @@ def hbm_bytes_per_s() -> float:
 
 
 def rank_set(name: str) -> tuple[int, ...]:
-    """A rank set by name: ``mixed``, or ``rN`` (four adapters of rank N)."""
-    return RANK_SETS.get(name) or (int(name.removeprefix("r")),) * 4
+    """A rank set by name: ``mixed``, ``rN`` (four adapters of rank N), or ``rNinM``: four adapters of rank N in
+    buffers padded to M, as SGLang pads them when an adapter of rank M is loaded beside them but not in the batch."""
+    padded = PADDED.fullmatch(name)
+    return RANK_SETS.get(name) or (int(padded[1] if padded else name.removeprefix("r")),) * 4
+
+
+def pool_rank(name: str) -> int:
+    """The LoRA buffers' width of a rank set by name (``LoRAInfo.max_lora_rank``: what ``=fast`` places by): M of
+    ``rNinM``, else the set's largest rank."""
+    padded = PADDED.fullmatch(name)
+    return int(padded[2]) if padded else max(rank_set(name))
 
 
 def shape_rank_sets(name: str) -> tuple[str, ...]:
@@ -105,8 +116,9 @@ def cg_buffers(problem, loras: int) -> dict:
 
 
 def lora_info(problem, ranks, seed: int):
+    padded = pool_rank(ranks) if isinstance(ranks, str) else None
     ranks = rank_set(ranks) if isinstance(ranks, str) else ranks
-    adapters = real_lora.Adapters(ranks=ranks, enabled=(True,) * len(ranks))
+    adapters = real_lora.Adapters(ranks=ranks, enabled=(True,) * len(ranks), pool_rank=padded)
     return real_lora.make_lora_info(problem, adapters, seed=seed, cg_buffers=cg_buffers(problem, len(ranks)))
 
 
@@ -176,10 +188,11 @@ def lora_batch(shape: dict, ranks_name: str, tokens: int, weights, route_list: s
 
 
 def add_rank_sets_option(parser, by_shape: bool = False) -> None:
-    """``--rank-sets``: the adapters' ranks, ``mixed`` or ``rN`` (four adapters of rank N); by default ``mixed``, or
+    """``--rank-sets``: the adapters' ranks, ``mixed``, ``rN`` or ``rNinM`` (:func:`rank_set`); by default ``mixed``, or
     with ``by_shape`` each shape's own (:func:`shape_rank_sets`)."""
     parser.add_argument("--rank-sets", nargs="+", default=None if by_shape else ["mixed"],
-                        help="mixed, or rN (four adapters of rank N); default "
+                        help="mixed, rN (four adapters of rank N) or rNinM (the same in buffers padded to rank M: "
+                             "an adapter of rank M loaded, not in the batch); default "
                              + ("mixed and r16 (GLM-5.1), mixed (others)" if by_shape else "mixed"))
 
 

@@ -34,8 +34,10 @@ ORDERED = "ms SGLang's list ordered: wide + LoRA, "
 
 
 def max_rank(rank_set: str) -> int:
-    """``mixed`` (ranks 8/16/32/64) or ``rN`` (four adapters of rank N)."""
-    return 64 if rank_set == "mixed" else int(rank_set.removeprefix("r"))
+    """The rank ``=fast`` places a rank set's batch by: its buffers' width (``_lora_setup.pool_rank``)."""
+    from benchmarks._lora_setup import pool_rank
+
+    return pool_rank(rank_set)
 
 
 def variant(label: str) -> tuple[int, dict] | None:

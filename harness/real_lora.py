@@ -108,6 +108,9 @@ class Adapters:
     padding: float = 0.0
     """What the buffers hold past each adapter's rank: SGLang's pool zeros; NaN proves that no kernel
     lets those rows and columns into a delta."""
+    pool_rank: int | None = None
+    """The buffers' width (SGLang's ``--max-lora-rank``); None: the largest of ``ranks``. Wider: a batch whose
+    adapters are all below the rank of another one loaded in the pool."""
 
 
 def make_lora_info(problem: MoEProblem, adapters: Adapters | None = None, *, seed: int = 0, cg_buffers=None):
@@ -120,7 +123,8 @@ def make_lora_info(problem: MoEProblem, adapters: Adapters | None = None, *, see
     experts = adapters.lora_experts or problem.num_experts
     hidden = problem.w2.shape[1]
     intermediate = problem.w2.shape[2]
-    loras, rank = len(adapters.ranks), max(adapters.ranks)
+    loras, rank = len(adapters.ranks), adapters.pool_rank or max(adapters.ranks)
+    assert rank >= max(adapters.ranks), (adapters.pool_rank, adapters.ranks)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def weights(rows, cols, ranks_on_rows, shared=False):
