@@ -26,18 +26,12 @@ import json
 import sys
 
 from benchmarks._bench import SHAPES
+from benchmarks._lora_setup import pool_rank
 from harness import tables
 from harness.ptx import HOPPER_SHARED_BYTES
 from sglang_lora_tma_guard import fused_lora, moe_gemm
 
 ORDERED = "ms SGLang's list ordered: wide + LoRA, "
-
-
-def max_rank(rank_set: str) -> int:
-    """The rank ``=fast`` places a rank set's batch by: its buffers' width (``_lora_setup.pool_rank``)."""
-    from benchmarks._lora_setup import pool_rank
-
-    return pool_rank(rank_set)
 
 
 def variant(label: str) -> tuple[int, dict] | None:
@@ -59,14 +53,14 @@ def placed_ms(row: dict) -> float | None:
     if kernels_row(row):  # only SGLang's own tile, narrow, was timed fused there
         config = {"BLOCK_SIZE_M": row["block_m"], "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
                   "num_warps": 4, "num_stages": 3}  # all but BLOCK_SIZE_M stand-ins: only the change is compared
-        tile, n_tiles = fused_lora.wide_tile(config, 128, SHAPES[row["shape"]]["N"], max_rank(row["ranks"]), 1,
+        tile, n_tiles = fused_lora.wide_tile(config, 128, SHAPES[row["shape"]]["N"], pool_rank(row["ranks"]), 1,
                                              HOPPER_SHARED_BYTES)
         narrow_at_sglangs_tile = not n_tiles and tile == moe_gemm.tile(config, row["block_m"], 128)
         return row["ms_quant_own"] + row["ms_shrink_dn"] + row["ms_down_own_lora"] if narrow_at_sglangs_tile else None
     base = row["tile"]  # moe_gemm.tile of SGLang's config: the config back from it
     config = {"BLOCK_SIZE_M": base["BLOCK_M"], "BLOCK_SIZE_N": base["BLOCK_N"], "BLOCK_SIZE_K": base["BLOCK_K"],
               "GROUP_SIZE_M": base["GROUP_M"], "num_warps": base["num_warps"], "num_stages": base["num_stages"]}
-    tile, n_tiles = fused_lora.wide_tile(config, base["BLOCK_K"], SHAPES[row["shape"]]["N"], max_rank(row["ranks"]),
+    tile, n_tiles = fused_lora.wide_tile(config, base["BLOCK_K"], SHAPES[row["shape"]]["N"], pool_rank(row["ranks"]),
                                          1, HOPPER_SHARED_BYTES)
     ordering = row.get("ms order by adapter", 0.0)  # not in the tables up to narrow/ (see above)
     for key, ms in row.items():
@@ -94,7 +88,7 @@ def policy(rows: list[dict], margin: float) -> tuple[dict[int, tuple[tuple[int, 
             continue
         shape = SHAPES[row["shape"]]
         ratio = fused / fast_ms(row)
-        ratios[shape["N"], max_rank(row["ranks"])][row["tokens"] * shape["topk"]].append(ratio)
+        ratios[shape["N"], pool_rank(row["ranks"])][row["tokens"] * shape["topk"]].append(ratio)
         lines.append([row["shape"], row["ranks"], row["tokens"], f"{fused:.4f}", f"{fast_ms(row):.4f}", f"{ratio:.3f}"])
     table: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
     for (k, rank), by_routes in sorted(ratios.items()):
