@@ -69,7 +69,7 @@ alone on an H100; no column tiles a program: the narrow GEMM (one column tile a 
   (rank 8 as rank 16). Without LoRA the narrow GEMM and its input's fp8 quantization are a little faster than SGLang's
   GEMM with its own, which runs SGLang's default tile here (no tuned file for this shape): 0.49 against 0.52 ms at
   8192 tokens, 0.16 against 0.17 at 2048 (``.../k-loop/kernels/``)."""
-FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 65536)), 384: ((32, 65536),), 768: ((32, 16384), (64, 65536))}
+FASTER_FROM_ROUTES = {256: ((8, 32768), (16, 16384), (32, 32768)), 384: ((32, 65536),), 768: ((32, 16384), (64, 65536))}
 """Where ``=fast`` takes the fused down launch, by the down GEMM's K (a shard's expert intermediate width): (up
 to that max rank, from that many routes, tokens x top-k), block-fp8 experts; none past the last rank named, none at
 a K not named. Measured with ``benchmarks/down_gemm.py`` or ``benchmarks/lora_moe_kernels.py``
@@ -79,7 +79,11 @@ fused against unfused (SGLang's down GEMM + the fast down hook), ms:
 - K 256, GLM-5.1 and DeepSeek-V3 at TP8, on an H200 (``benchmarks/results/lora_moe/down-gemm/``): rank 16
   0.29 / 0.27 at 1024 tokens, 0.37 / 0.40 at 2048, 0.49 / 0.62 at 4096, 0.73 / 1.07 at 8192; rank 8 0.42 / 0.39
   at 2048, 0.56 / 0.64 at 4096; rank 32 0.79 / 0.72 at 4096, 1.08 / 1.27 at 8192; ranks up to 64 slower at every
-  size (1.34 / 1.23 at 8192).
+  size (1.34 / 1.23 at 8192). A later H200 on today's kernels (``.../h200-k256/``, ``run_lora_moe_h200.sh
+  thresholds``): rank 32 0.64 / 0.72 at 4096, and the whole hooked call 1.420-1.422 ms whole against 1.501-1.504 with
+  the hooks (two tables; about 1.484 as placed before, the gate-up expand in the activation saving 0.017-0.018 ms
+  beside the whole launch), so rank 32 from 4096 tokens; at 2048 slower (1.054 / 1.004). There rank 16 was 0.43 / 0.41 at 2048 (the whole call not timed): its row stands on the first
+  H200's table.
 - K 384, Qwen3-30B-A3B at tp 2, on an H100 only (``benchmarks/results/lora_moe/fused-qwen3-tp2/``, 64-wide
   columns): ranks 8, 16 and 32 0.42 / 0.61, 0.45 / 0.63, 0.44 / 0.64 at 8192 tokens; 0.26 / 0.32, 0.27 / 0.33,
   0.27 / 0.34 at 4096; ranks 16 and 32 0.20 / 0.20 and 0.20 / 0.21 at 2048. Taken from 8192 tokens only, a
@@ -96,7 +100,7 @@ fused against unfused (SGLang's down GEMM + the fast down hook), ms:
 Other widths are not measured.
 """
 FASTER_FROM_ROUTES_ON: dict[str, dict[int, tuple[tuple[int, int], ...]]] = {
-    "NVIDIA H100 80GB HBM3": {256: ((8, 32768), (16, 16384), (32, 8192))}}
+    "NVIDIA H100 80GB HBM3": {256: ((8, 32768), (16, 16384), (32, 8192)), 384: ((64, 32768),)}}
 """A GPU's own rows of :data:`FASTER_FROM_ROUTES` at a K (by its name, as ``tuning`` knows it), where its unfused
 side pays earlier. The H100 SXM at K 256 (GLM-5.1 TP8), one machine (``benchmarks/results/lora_moe/h100-k256/``):
 rank 32 from 1024 tokens, the down side fused against unfused 0.44 / 0.48 ms at 1024 tokens, 0.57 / 0.60 at 2048
@@ -105,7 +109,17 @@ rank 32 from 1024 tokens, the down side fused against unfused 0.44 / 0.48 ms at 
 there, the whole call 1.10 / 1.13; at 1024 a tie, 0.883 / 0.885); rank 8 from 4096 as on the H200 (at 2048 0.51 /
 0.51). Past rank 32 the split (:data:`SPLIT_FROM_ROUTES_ON`): with ranks 8/16/32/64 it beats the whole launch (2.70
 against 2.92 ms at 8192 tokens, 1.41 / 1.57 at 2048); only with every adapter of rank 64, at 8192 tokens, is the
-whole launch faster (3.27 against 3.37), and the pool's max rank does not tell the two batches apart."""
+whole launch faster (3.27 against 3.37), and the pool's max rank does not tell the two batches apart.
+
+The H100 SXM at K 384 (Qwen3-30B-A3B tp 2), every rank from 4096 tokens (the shared row: up to rank 32 from 8192).
+The whole hooked call, the whole launch against the hooks, two tables of one machine
+(``benchmarks/results/lora_moe/h100-qwen3/tp2-*``), ms: mixed ranks 0.690-0.691 / 0.714-0.719 at 4096 tokens, all
+64 0.756-0.758 / 0.788-0.789, all 16 0.593 / 0.683-0.684; at 8192 1.165-1.167 / 1.310, 1.248-1.249 / 1.397-1.399,
+1.032-1.033 / 1.285-1.287. As placed before, the gate-up expand ran in the activation, which beside the whole launch
+saves 0.010-0.011 ms at 4096 tokens (mixed, all 64) and 0.021 (all 16): the launch is about 2-3% faster than that at
+4096 (10% at all 16), 9% at 8192 (inferred so, not timed side by side). At 2048 tokens within 5% at all 16 and
+slower at mixed ranks (0.494-0.498 / 0.473-0.476), at 1024 slower at every rank set. The split is slower than the
+whole launch there at every batch (all 64 at 8192 tokens 1.40 against 1.25)."""
 SPLIT_FROM_ROUTES: dict[int, tuple[int, int]] = {256: (32, 65536)}
 """Where :data:`FASTER_FROM_ROUTES` takes no batch of a max rank at a K: (a rank R, from that many routes) there the
 fused down launch takes the adapters up to rank R in its epilogue (the tile of rank R), and the hook's expand then
