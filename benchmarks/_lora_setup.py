@@ -264,8 +264,9 @@ def fused_down(on: bool, act: bool = True, how: str | None = None, split_rank: i
     and scored against the float32 reference); ``FUSED_DOWN=everywhere-narrow``: every batch, each down GEMM one
     column tile a program (``moe_gemm``'s narrow kernel at SGLang's tile) whatever its K; ``FUSED_DOWN=split-R``:
     every batch, its epilogue taking the adapters up to rank R and the hook's expand the rest
-    (``fused_lora.SPLIT_FROM_ROUTES``). ``how``: one of these instead of the environment's; ``split_rank``: R
-    (every batch, whatever ``how`` says)."""
+    (``fused_lora.SPLIT_FROM_ROUTES``); ``FUSED_DOWN=nowhere``: no batch, the gate-up delta still in the activation
+    (how ``=fast`` runs a batch it places no fused launch for). ``how``: one of these instead of the environment's;
+    ``split_rank``: R (every batch, whatever ``how`` says)."""
     import os
 
     from sglang_lora_tma_guard import fused_act, fused_lora
@@ -273,14 +274,17 @@ def fused_down(on: bool, act: bool = True, how: str | None = None, split_rank: i
     how = how or os.environ.get("FUSED_DOWN", "placed")
     if how.startswith("split-") and how.removeprefix("split-").isdigit():
         how, split_rank = "everywhere", split_rank or int(how.removeprefix("split-"))
-    if how not in ("placed", "everywhere", "everywhere-narrow"):
-        raise SystemExit(f"FUSED_DOWN={how!r}: placed (the default), everywhere, everywhere-narrow or split-R (a rank)")
-    tiles = fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES
+    if how not in ("placed", "everywhere", "everywhere-narrow", "nowhere"):
+        raise SystemExit(f"FUSED_DOWN={how!r}: placed (the default), everywhere, everywhere-narrow, nowhere or split-R "
+                         "(a rank)")
+    tiles, placed = (fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES), fused_lora._placed
+    if on and how == "nowhere" and split_rank is None:
+        fused_lora._placed = lambda routes, max_rank, k: None
     if on and how == "everywhere-narrow":
         narrow = ((fused_lora.MAX_RANK, 0, {}),)
         fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES = narrow, {}
     if on:
-        fused_lora.activate(everywhere=how != "placed" or split_rank is not None, split_rank=split_rank)
+        fused_lora.activate(everywhere=how not in ("placed", "nowhere") or split_rank is not None, split_rank=split_rank)
         if act:
             fused_act.activate()
     else:
@@ -290,7 +294,7 @@ def fused_down(on: bool, act: bool = True, how: str | None = None, split_rank: i
     finally:
         fused_lora.deactivate()
         fused_act.deactivate()
-        fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES = tiles
+        (fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES), fused_lora._placed = tiles, placed
 
 
 def fast_call(batch: LoRABatch):

@@ -15,7 +15,9 @@ Per batch (the ``benchmarks/lora_moe_h200.py`` set-up: SGLang's ``LoRAInfo``, 4 
   down GEMM's epilogue where ``sglang_lora_tma_guard.fused_lora`` takes the batch and the gate-up expand in the
   activation where ``sglang_lora_tma_guard.fused_act`` does (``fused``; ``fused, gate-up hooked``: the same with
   the gate-up expand left in its hook, what ``SGLANG_LORA_TMA_GUARD=fast`` serves while ``fused_act.BY_FAST`` is
-  off); with ``--split-rank R`` also ``fused, split``: the fused down launch at every batch, its epilogue taking the
+  off); ``fast, act``: the hooks with the gate-up expand in the activation and the fused down launch at no batch,
+  how ``=fast`` runs a batch it places no fused launch for (beside ``fused``, what a placement row moves); with
+  ``--split-rank R`` also ``fused, split``: the fused down launch at every batch, its epilogue taking the
   adapters up to rank R and the hook's expand the others (``fused_lora.SPLIT_FROM_ROUTES``);
 - each kernel of the fast hooks alone, on the routing and tiles a server's batch gets: the routing, the
   gate-up shrink and expand, the down shrink and expand;
@@ -241,14 +243,15 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, split_rank: 
                 "one_stream": lambda h: one_stream(lambda: lora_path.build_hooks(original, h, info, ids))}
 
     def whole(kind: str):
-        with fused_down(kind in ("fused", "fused_no_act", "fused_split"), act=kind != "fused_no_act",
+        with fused_down(kind in ("fused", "fused_no_act", "fused_split", "fast_act"), act=kind != "fused_no_act",
+                        how="nowhere" if kind == "fast_act" else None,
                         split_rank=split_rank if kind == "fused_split" else None):
             return real_lora.run_runner(problem, None, use_tma=use_tma, build=builders.get(kind, builders["fast"]))
 
     guard.activate(weight_tma=True)
     with capture_mode():
-        wholes = ("nohook", "default", "fast", "one_stream", "fused", "fused_no_act") + (("fused_split",) if split_rank
-                                                                                           else ())
+        wholes = ("nohook", "default", "fast", "one_stream", "fast_act", "fused", "fused_no_act") + (
+            ("fused_split",) if split_rank else ())
         graphs = {kind: capture(lambda k=kind: whole(k))[0] for kind in wholes}
         graphs.update({kernel: capture(fn)[0] for kernel, fn in kernels.items()})
     times = replay_times(graphs)
@@ -257,7 +260,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, split_rank: 
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "block_m": tiles.block_m,
            "pairs_with_delta": moved["pairs_with_delta"], "ms_nohook": times["nohook"], "ms_fast": times["fast"],
            "ms_fast_one_stream": times["one_stream"], "ms_fused": times["fused"], "ms_default": times["default"],
-           "ms_fused_no_act": times["fused_no_act"],
+           "ms_fused_no_act": times["fused_no_act"], "ms_fast_act": times["fast_act"],
            "fast_speedup": times["default"] / times["fast"]}
     if "expand_act" in times:
         row["floor_ms_expand_act"] = floor_ms(*moved["kernels"]["expand_act"])
@@ -340,17 +343,22 @@ def markdown(rows, meta) -> str:
 
 
 def split_table(rows) -> list[str]:
-    """The whole call with the fused down launch split by rank, beside the fused one (``--split-rank``)."""
-    rows = [r for r in rows if "ms_fused_split" in r]
+    """The whole call as ``=fast`` runs a batch with no fused down launch (fast, act), with it (fused) and, with
+    ``--split-rank``, split by rank (fused, split): what a placement row chooses between, side by side."""
+    ms = lambda r, key: f"{r[key]:.3f}" if r.get(key) is not None else "–"  # noqa: E731
+    ratio = lambda r, key: f"{r[key]:.2f}" if r.get(key) is not None else "–"  # noqa: E731
+    rows = [r for r in rows if "ms_fast_act" in r or "ms_fused_split" in r]  # kept runs before fast, act have neither
     if not rows:
         return []
-    return ["", "The whole call with the fused down launch at every batch, its epilogue taking the adapters up to the "
-            "split rank and the hook's expand the others (fused, split), beside the fused call (ms).", "",
-            tables.markdown(["shape", "ranks", "tokens", "split rank", "fast", "fused", "fused, split", "fused floor",
-                             "fused / fused floor", "split / fused floor"],
-                            ([r["shape"], r["ranks"], r["tokens"], r["split_rank"], f"{r['ms_fast']:.3f}",
-                              f"{r['ms_fused']:.3f}", f"{r['ms_fused_split']:.3f}", f"{r['fused_floor_ms']:.3f}",
-                              f"{r['fused_over_fused_floor']:.2f}", f"**{r['fused_split_over_fused_floor']:.2f}**"]
+    return ["", "The whole call (ms): the hooks (fast); the hooks with the gate-up expand in the activation, no fused "
+            "down launch (fast, act: how =fast runs a batch it does not place the launch for); the fused down launch at "
+            "the batches the fused column takes, and with --split-rank at every batch, its epilogue taking the adapters "
+            "up to the split rank and the hook's expand the others (fused, split).", "",
+            tables.markdown(["shape", "ranks", "tokens", "split rank", "fast", "fast, act", "fused", "fused, split",
+                             "fused floor", "fused / fused floor", "split / fused floor"],
+                            ([r["shape"], r["ranks"], r["tokens"], r.get("split_rank") or "–", ms(r, "ms_fast"),
+                              ms(r, "ms_fast_act"), ms(r, "ms_fused"), ms(r, "ms_fused_split"), ms(r, "fused_floor_ms"),
+                              ratio(r, "fused_over_fused_floor"), f"**{ratio(r, 'fused_split_over_fused_floor')}**"]
                              for r in rows))]
 
 

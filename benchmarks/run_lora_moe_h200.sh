@@ -3,7 +3,7 @@
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
 # default LoRA MoE path with those tiles; or each kernel of the fast path against its floor (kernels).
 # Results under ${OUT:-results}/.
-#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|act|place-act|tune-ab|race|launch|down|gate-up|thresholds|placed] [extra arguments for the Python scripts]
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|act|place-act|tune-ab|race|launch|down|gate-up|thresholds] [extra arguments for the Python scripts]
 # gate-up: benchmarks/gate_up_gemm.py (bf16 experts: SGLang's gate-up GEMM and the hook's shrink, against this
 # package's gate-up GEMM with the shrink in its K loop).
 # down: benchmarks/down_gemm.py (the down GEMM alone: SGLang's, this package's over tile variants, the down
@@ -27,10 +27,6 @@
 # tokens, with the fused launch whole and split at 32 at every batch (FUSED_DOWN=everywhere, --split-rank 32: the
 # fast, fused and fused-split columns) twice, under $OUT/kernels1 and kernels2. GLM-5.1 TP8 (K 256) by default;
 # arguments replace the batches of all three.
-# placed: the whole hooked call as =fast places it (its fused column), then with the fused launch at every batch
-# (FUSED_DOWN=everywhere), same batches, under $OUT/placed and $OUT/everywhere: a placement row against the one before
-# it on one machine; then the whole launch's errors against the float32 reference at those batches ($OUT/errors,
-# lora_moe_h200 with FUSED_DOWN=everywhere; its --rank-sets and --tokens by ERRORS="..." where given).
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 1; }
 export OUT="${OUT:-results}"; mkdir -p "$OUT"
@@ -86,14 +82,6 @@ fi
 if [ "$what" = down ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.down_gemm --out "$OUT" "$@" || echo "down_gemm stopped (exit $?)"
   python3 -m benchmarks.fused_policy "$OUT/down_gemm.json" | tee "$OUT/fused_policy.md"
-fi
-if [ "$what" = placed ]; then
-  timeout "${KERNELS_S:-160}" python3 -m benchmarks.lora_moe_kernels --out "$OUT/placed" "$@" || echo "placed stopped (exit $?)"
-  FUSED_DOWN=everywhere timeout "${KERNELS_S:-160}" python3 -m benchmarks.lora_moe_kernels --out "$OUT/everywhere" "$@" \
-    || echo "everywhere stopped (exit $?)"
-  # shellcheck disable=SC2086  # ERRORS is a list of arguments
-  FUSED_DOWN=everywhere timeout "${BENCH_S:-150}" python3 -m benchmarks.lora_moe_h200 --out "$OUT/errors" "$@" ${ERRORS:-} \
-    || echo "errors stopped (exit $?)"
 fi
 if [ "$what" = thresholds ]; then
   down=(--shapes glm51-fp8-tp8 --rank-sets r8 r16 r32 mixed r64 --tokens 1024 2048 4096 8192)

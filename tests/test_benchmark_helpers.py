@@ -662,6 +662,30 @@ def test_fused_down_takes_its_placement_from_the_caller_before_the_environment(m
     with fused_down(True):
         assert not fused_lora._everywhere and fused_act.placed()
     assert not fused_lora._everywhere and not fused_act.placed()
+    placed_here = fused_lora._placed(1 << 20, 16, 256)
+    assert placed_here == 16  # the shipped rows take a rank-16 batch this large at K 256, on any GPU
+    monkeypatch.setenv("FUSED_DOWN", "everywhere")
+    with fused_down(True, how="nowhere"):  # lora_moe_kernels' fast, act: the activation's, no fused launch anywhere
+        assert not fused_lora._everywhere and fused_act.placed() and fused_lora._placed(1 << 20, 16, 256) is None
+    assert fused_lora._placed(1 << 20, 16, 256) == placed_here and not fused_act.placed()
+
+
+def test_the_kernels_table_puts_the_call_without_a_fused_launch_beside_the_fused_one():
+    """``lora_moe_kernels``' placement table: the hooks, the hooks with the gate-up expand in the activation
+    (``fast, act``: how ``=fast`` runs a batch it places no fused launch for), the fused and split calls side by side;
+    a kept run from before ``fast, act`` renders with a dash there."""
+    from benchmarks import lora_moe_kernels
+
+    kept = json.loads((REPO / "benchmarks/results/lora_moe/h100-qwen3/tp2-1/lora_moe_kernels.json").read_text())
+    row = kept["rows"][0]
+    assert "ms_fast_act" not in row and row["split_rank"] == 32
+    old = lora_moe_kernels.split_table([row])[-1].splitlines()[-1]
+    assert old.startswith(f"| qwen3-30b-tp2 | mixed | 2048 | 32 | {row['ms_fast']:.3f} | – | {row['ms_fused']:.3f} |")
+    new = lora_moe_kernels.split_table([{**row, "ms_fast_act": 0.4615}])[-1].splitlines()[-1]
+    assert f"| {row['ms_fast']:.3f} | 0.462 | {row['ms_fused']:.3f} | {row['ms_fused_split']:.3f} |" in new
+    without_split = {k: v for k, v in row.items() if not k.startswith(("split", "ms_fused_split", "fused_split"))}
+    assert "| mixed | 2048 | – | " in lora_moe_kernels.split_table([{**without_split, "ms_fast_act": 0.4615}])[-1]
+    assert lora_moe_kernels.split_table([without_split]) == []
 
 
 def test_the_gemm_tables_show_every_part_timed_in_a_kept_run():
