@@ -82,8 +82,8 @@ fused against unfused (SGLang's down GEMM + the fast down hook), ms:
   size (1.34 / 1.23 at 8192). A later H200 on today's kernels (``.../h200-k256/``, ``run_lora_moe_h200.sh
   thresholds``): rank 32 0.64 / 0.72 at 4096, and the whole hooked call 1.420-1.422 ms whole against 1.501-1.504 with
   the hooks (two tables; about 1.484 as placed before, the gate-up expand in the activation saving 0.017-0.018 ms
-  beside the whole launch), so rank 32 from 4096 tokens; at 2048 slower (1.054 / 1.004). There rank 16 was 0.43 / 0.41 at 2048 (the whole call not timed): its row stands on the first
-  H200's table.
+  beside the whole launch), so rank 32 from 4096 tokens; at 2048 slower (1.054 / 1.004). There the down side at
+  rank 16 was 0.43 / 0.41 at 2048 (the whole call not timed): its row stands on the first H200's table.
 - K 384, Qwen3-30B-A3B at tp 2, on an H100 only (``benchmarks/results/lora_moe/fused-qwen3-tp2/``, 64-wide
   columns): ranks 8, 16 and 32 0.42 / 0.61, 0.45 / 0.63, 0.44 / 0.64 at 8192 tokens; 0.26 / 0.32, 0.27 / 0.33,
   0.27 / 0.34 at 4096; ranks 16 and 32 0.20 / 0.20 and 0.20 / 0.21 at 2048. Taken from 8192 tokens only, a
