@@ -483,15 +483,18 @@ def launched_tiles(monkeypatch) -> list[tuple[dict, int]]:
 
 
 @pytest.mark.slow  # as the other fused launches through the runner
-def test_the_fused_down_launch_over_three_k_tiles_runs_them_as_a_loop_in_sglangs_runner(sglang_plugins, runners,
-                                                                                          monkeypatch):
-    """A down GEMM of three block-fp8 K tiles (Qwen3-30B-A3B tp2's K 384) with adapters up to rank 16: the fused
-    launch takes the wide kernel's K loop (``fused_lora.WIDE_TILES_BY_K_TILES``), through SGLang's own runner, as
-    right against the float32 reference MoE as the unfused fast path."""
-    problem, info = make_case("mixed-ranks-top2", seed=1, ranks=(8, 16, 4, 16), intermediate=384)
+@pytest.mark.parametrize(("ranks", "k_loop", "block_n"), [((8, 16, 4, 16), 1, 128),
+                                                        pytest.param((8, 16, 32, 64), None, 64, marks=pytest.mark.slow)])
+def test_the_fused_down_launch_over_three_k_tiles_in_sglangs_runner(sglang_plugins, runners, monkeypatch, ranks, k_loop,
+                                                                    block_n):
+    """A down GEMM of three block-fp8 K tiles (Qwen3-30B-A3B tp2's K 384), through SGLang's own runner, as right
+    against the float32 reference MoE as the unfused fast path: adapters up to rank 16 take the wide kernel's K loop,
+    up to rank 64 (an H100 places those from 4096 tokens) its K steps unrolled over 64-wide columns
+    (``fused_lora.WIDE_TILES_BY_K_TILES``)."""
+    problem, info = make_case("mixed-ranks-top2", seed=1, ranks=ranks, intermediate=384)
     tiles = launched_tiles(monkeypatch)
     fused_and_unfused_are_as_right(sglang_plugins, problem, info)
-    assert [(tile.get("K_LOOP"), n_tiles) for tile, n_tiles in tiles] == [(1, 16)]
+    assert [(tile.get("K_LOOP"), tile["BLOCK_N"], n_tiles) for tile, n_tiles in tiles] == [(k_loop, block_n, 16)]
 
 
 @pytest.mark.slow  # as the other fused launches through the runner
