@@ -483,8 +483,7 @@ def launched_tiles(monkeypatch) -> list[tuple[dict, int]]:
 
 
 @pytest.mark.slow  # as the other fused launches through the runner
-@pytest.mark.parametrize(("ranks", "k_loop", "block_n"), [((8, 16, 4, 16), 1, 128),
-                                                        pytest.param((8, 16, 32, 64), None, 64, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("ranks", "k_loop", "block_n"), [((8, 16, 4, 16), 1, 128), ((8, 16, 32, 64), None, 64)])
 def test_the_fused_down_launch_over_three_k_tiles_in_sglangs_runner(sglang_plugins, runners, monkeypatch, ranks, k_loop,
                                                                     block_n):
     """A down GEMM of three block-fp8 K tiles (Qwen3-30B-A3B tp2's K 384), through SGLang's own runner, as right
