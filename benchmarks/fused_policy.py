@@ -16,6 +16,12 @@ GEMM's K and each rank set's max rank, the fewest routes (tokens x top-k) from w
 ``--margin`` faster at that batch and at every larger batch measured: what ``FASTER_FROM_ROUTES`` would hold. A
 batch measured in several tables pays only if it pays in each. Only tables of the kernels as the package now has
 them say where the package's launch pays (``benchmarks/results/lora_moe/README.md`` says which kernels each ran).
+
+With ``--whole``, the whole hooked call instead, from ``lora_moe_kernels.py`` tables run with
+``FUSED_DOWN=everywhere``: the fused launch at the batch (``fused``) against the call as ``=fast`` runs a batch it
+places no launch for (``fast, act``), the comparison a row of ``FASTER_FROM_ROUTES`` decides.
+
+    python -m benchmarks.fused_policy --whole LORA_MOE_KERNELS.json [...]
 """
 
 from __future__ import annotations
@@ -75,21 +81,36 @@ def fast_ms(row: dict) -> float:
     return row["ms_down_sglang"] + row["ms_shrink_dn"] + row["ms_expand_dn"] if kernels_row(row) else row["ms fast"]
 
 
-def policy(rows: list[dict], margin: float) -> tuple[dict[int, tuple[tuple[int, int], ...]], list[list]]:
-    """``FASTER_FROM_ROUTES`` as ``rows`` support it, and a line per row: shape, ranks, tokens, fused (placed) and
-    fast ms, their ratio."""
+def whole_ms(row: dict) -> tuple[float, float] | None:
+    """The row's whole hooked call with the fused launch and as ``=fast`` runs it with none (``fast, act``), ms: a
+    ``lora_moe_kernels.py`` row of a run with ``FUSED_DOWN=everywhere``; None for any other row."""
+    if row.get("fused_down") != "everywhere" or "ms_fast_act" not in row:
+        return None
+    return row["ms_fused"], row["ms_fast_act"]
+
+
+def down_ms(row: dict) -> tuple[float, float] | None:
+    """The row's down side fused (placed) and unfused, ms; None where the placed tile was not timed."""
+    fused = placed_ms(row)
+    return None if fused is None else (fused, fast_ms(row))
+
+
+def policy(rows: list[dict], margin: float, whole: bool = False
+           ) -> tuple[dict[int, tuple[tuple[int, int], ...]], list[list]]:
+    """``FASTER_FROM_ROUTES`` as ``rows`` support it (their down side, or with ``whole`` their whole call), and a line
+    per row: shape, ranks, tokens, fused and unfused ms, their ratio."""
     ratios: dict[tuple[int, int], dict[int, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     lines = []
     for row in rows:
         if row.get("base", "fp8") != "fp8":
             continue  # =fast takes the fused launch over block-fp8 experts only
-        fused = placed_ms(row)
-        if fused is None:
+        sides = whole_ms(row) if whole else down_ms(row)
+        if sides is None:
             continue
-        shape = SHAPES[row["shape"]]
-        ratio = fused / fast_ms(row)
+        (fused, fast), shape = sides, SHAPES[row["shape"]]
+        ratio = fused / fast
         ratios[shape["N"], pool_rank(row["ranks"])][row["tokens"] * shape["topk"]].append(ratio)
-        lines.append([row["shape"], row["ranks"], row["tokens"], f"{fused:.4f}", f"{fast_ms(row):.4f}", f"{ratio:.3f}"])
+        lines.append([row["shape"], row["ranks"], row["tokens"], f"{fused:.4f}", f"{fast:.4f}", f"{ratio:.3f}"])
     table: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
     for (k, rank), by_routes in sorted(ratios.items()):
         start = None
@@ -106,13 +127,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tables", nargs="+", metavar="DOWN_GEMM.json", help="or LORA_MOE_KERNELS.json")
     parser.add_argument("--margin", type=float, default=0.05, help="how much faster the fused side must be (0.05: 5%%)")
+    parser.add_argument("--whole", action="store_true", help="the whole hooked call of lora_moe_kernels tables run "
+                        "with FUSED_DOWN=everywhere (fused against fast, act), not the down side")
     args = parser.parse_args(argv)
     rows = []
     for path in args.tables:
         with open(path) as f:
             rows += json.load(f)["rows"]
-    table, lines = policy(rows, args.margin)
-    print(tables.markdown(["shape", "ranks", "tokens", "fused, as placed (ms)", "fast (ms)", "fused / fast"], lines))
+    table, lines = policy(rows, args.margin, args.whole)
+    sides = ["whole call, fused (ms)", "fast, act (ms)"] if args.whole else ["fused, as placed (ms)", "fast (ms)"]
+    print(tables.markdown(["shape", "ranks", "tokens", *sides, "fused / fast"], lines))
     print(f"\nFASTER_FROM_ROUTES = {table!r}  # at least {args.margin:.0%} faster from these routes up")
     return 0
 

@@ -42,6 +42,7 @@ call is the hook-less call plus the LoRA weights read once. Writes ``lora_moe_ke
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -261,6 +262,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, split_rank: 
            "pairs_with_delta": moved["pairs_with_delta"], "ms_nohook": times["nohook"], "ms_fast": times["fast"],
            "ms_fast_one_stream": times["one_stream"], "ms_fused": times["fused"], "ms_default": times["default"],
            "ms_fused_no_act": times["fused_no_act"], "ms_fast_act": times["fast_act"],
+           "fused_down": os.environ.get("FUSED_DOWN", "placed"),  # where the fused column took the launch
            "fast_speedup": times["default"] / times["fast"]}
     if "expand_act" in times:
         row["floor_ms_expand_act"] = floor_ms(*moved["kernels"]["expand_act"])

@@ -25,8 +25,8 @@
 # read from, on this GPU, in one call (about 7 minutes): the down side at every rank set, 1024-8192 tokens
 # (down_gemm.py and fused_policy.md, under $OUT/down), then the whole hooked call at ranks 32, mixed and 64, 1024-4096
 # tokens, with the fused launch whole and split at 32 at every batch (FUSED_DOWN=everywhere, --split-rank 32: the
-# fast, fused and fused-split columns) twice, under $OUT/kernels1 and kernels2. GLM-5.1 TP8 (K 256) by default;
-# arguments replace the batches of all three.
+# fast, fused and fused-split columns) twice, under $OUT/kernels1 and kernels2, and what fused_policy --whole reads
+# of those two ($OUT/whole_policy.md). GLM-5.1 TP8 (K 256) by default; arguments replace the batches of all three.
 set -euo pipefail
 source benchmarks/e2e/setup_there.sh || { echo "kit incomplete"; exit 1; }
 export OUT="${OUT:-results}"; mkdir -p "$OUT"
@@ -94,4 +94,5 @@ if [ "$what" = thresholds ]; then
     FUSED_DOWN=everywhere timeout "${KERNELS_S:-150}" python3 -m benchmarks.lora_moe_kernels --out "$OUT/kernels$i" \
       --split-rank 32 "${whole[@]}" || echo "kernels$i stopped (exit $?)"
   done
+  python3 -m benchmarks.fused_policy --whole "$OUT"/kernels*/lora_moe_kernels.json | tee "$OUT/whole_policy.md" || true
 fi

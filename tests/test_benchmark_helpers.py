@@ -670,6 +670,29 @@ def test_fused_down_takes_its_placement_from_the_caller_before_the_environment(m
     assert fused_lora._placed(1 << 20, 16, 256) == placed_here and not fused_act.placed()
 
 
+def test_the_fused_policy_reads_the_whole_call_of_runs_with_the_launch_everywhere(capsys, tmp_path):
+    """``fused_policy --whole``: the whole hooked call's fused column against ``fast, act``, only of rows run with
+    ``FUSED_DOWN=everywhere``. The kept Qwen3-30B-A3B tp2 tables (an H100) predate ``fast, act``: they are read with
+    the hooks' time standing in for it, where the rows say (all 16 0.950 at 2048 tokens, 0.867 at 4096; ranks up to
+    64 0.96-0.97 at 4096, 0.89 at 8192); a row placed as ``=fast`` places it, or without the column, is not read."""
+    from benchmarks import fused_policy
+
+    results = REPO / "benchmarks/results/lora_moe/h100-qwen3"
+    kept = [row for run in ("tp2-1", "tp2-2") for row in
+            json.loads((results / run / "lora_moe_kernels.json").read_text())["rows"]]
+    assert all(fused_policy.whole_ms(row) is None for row in kept)  # no fast, act column yet
+    rows = [{**row, "ms_fast_act": row["ms_fast"], "fused_down": "everywhere"} for row in kept]
+    assert fused_policy.policy(rows, margin=0.05, whole=True)[0] == {384: ((16, 32768), (64, 65536))}
+    assert fused_policy.policy(rows, margin=0.02, whole=True)[0] == {384: ((16, 16384), (64, 32768))}
+    placed = [{**row, "fused_down": "placed"} for row in rows]
+    assert fused_policy.policy(placed, margin=0.02, whole=True) == ({}, [])
+    assert fused_policy.policy(rows, margin=0.05)[0] == {}  # no down-side parts at the placed tile in these tables
+    (tmp_path / "k.json").write_text(json.dumps({"rows": rows}))
+    assert fused_policy.main(["--whole", "--margin", "0.02", str(tmp_path / "k.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| whole call, fused (ms) | fast, act (ms) |" in out and "{384: ((16, 16384), (64, 32768))}" in out
+
+
 def test_the_kernels_table_puts_the_call_without_a_fused_launch_beside_the_fused_one():
     """``lora_moe_kernels``' placement table: the hooks, the hooks with the gate-up expand in the activation
     (``fast, act``: how ``=fast`` runs a batch it places no fused launch for), the fused and split calls side by side;
