@@ -673,7 +673,7 @@ def test_fused_down_takes_its_placement_from_the_caller_before_the_environment(m
 def test_the_fused_policy_reads_the_whole_call_of_runs_with_the_launch_everywhere(capsys, tmp_path):
     """``fused_policy --whole``: the whole hooked call's fused column against ``fast, act``, only of rows run with
     ``FUSED_DOWN=everywhere``. The kept Qwen3-30B-A3B tp2 tables (an H100) predate ``fast, act``: they are read with
-    the hooks' time standing in for it, where the rows say (all 16 0.950 at 2048 tokens, 0.867 at 4096; ranks up to
+    the hooks' time standing in for it, where the rows say (all 16 0.95-0.96 at 2048 tokens, 0.87 at 4096; ranks up to
     64 0.96-0.97 at 4096, 0.89 at 8192); a row placed as ``=fast`` places it, or without the column, is not read."""
     from benchmarks import fused_policy
 
