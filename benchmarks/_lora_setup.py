@@ -255,6 +255,13 @@ def run_batches(args, stem: str, measure, markdown, **meta_extra) -> int:
     return 1 if failed else 0
 
 
+def fused_down_asked() -> str:
+    """What ``FUSED_DOWN`` asks of :func:`fused_down` (its default: placed as ``=fast`` places it)."""
+    import os
+
+    return os.environ.get("FUSED_DOWN", "placed")
+
+
 @contextlib.contextmanager
 def fused_down(on: bool, act: bool = True, how: str | None = None, split_rank: int | None = None):
     """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``) and, with it unless
@@ -267,11 +274,9 @@ def fused_down(on: bool, act: bool = True, how: str | None = None, split_rank: i
     (``fused_lora.SPLIT_FROM_ROUTES``); ``FUSED_DOWN=nowhere``: no batch, the gate-up delta still in the activation
     (how ``=fast`` runs a batch it places no fused launch for). ``how``: one of these instead of the environment's;
     ``split_rank``: R (every batch, whatever ``how`` says)."""
-    import os
-
     from sglang_lora_tma_guard import fused_act, fused_lora
 
-    how = how or os.environ.get("FUSED_DOWN", "placed")
+    how = how or fused_down_asked()
     if how.startswith("split-") and how.removeprefix("split-").isdigit():
         how, split_rank = "everywhere", split_rank or int(how.removeprefix("split-"))
     if how not in ("placed", "everywhere", "everywhere-narrow", "nowhere"):

@@ -42,7 +42,6 @@ call is the hook-less call plus the LoRA weights read once. Writes ``lora_moe_ke
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import torch
@@ -55,6 +54,7 @@ from benchmarks._lora_setup import (
     add_base_option,
     add_rank_sets_option,
     fused_down,
+    fused_down_asked,
     hbm_bytes_per_s,
     lora_batch,
     one_stream,
@@ -262,7 +262,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, split_rank: 
            "pairs_with_delta": moved["pairs_with_delta"], "ms_nohook": times["nohook"], "ms_fast": times["fast"],
            "ms_fast_one_stream": times["one_stream"], "ms_fused": times["fused"], "ms_default": times["default"],
            "ms_fused_no_act": times["fused_no_act"], "ms_fast_act": times["fast_act"],
-           "fused_down": os.environ.get("FUSED_DOWN", "placed"),  # where the fused column took the launch
+           "fused_down": fused_down_asked(),  # where the fused column took the launch
            "fast_speedup": times["default"] / times["fast"]}
     if "expand_act" in times:
         row["floor_ms_expand_act"] = floor_ms(*moved["kernels"]["expand_act"])
@@ -288,8 +288,12 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, split_rank: 
     return row
 
 
+def ms(value: float | None, digits: int = 3) -> str:
+    """A table cell: the value to ``digits`` places, or a dash where it was not timed."""
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
 def markdown(rows, meta) -> str:
-    ms = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
     per_kernel = lambda r, k: f"{ms(r[f'ms_{k}'])} / {ms(r[f'floor_ms_{k}'])}" + (  # noqa: E731
         f" / {ms(r[f'granule_floor_ms_{k}'])}" if f"granule_floor_ms_{k}" in r else "")
     return "\n".join([
@@ -347,8 +351,6 @@ def markdown(rows, meta) -> str:
 def split_table(rows) -> list[str]:
     """The whole call as ``=fast`` runs a batch with no fused down launch (fast, act), with it (fused) and, with
     ``--split-rank``, split by rank (fused, split): what a placement row chooses between, side by side."""
-    ms = lambda r, key: f"{r[key]:.3f}" if r.get(key) is not None else "–"  # noqa: E731
-    ratio = lambda r, key: f"{r[key]:.2f}" if r.get(key) is not None else "–"  # noqa: E731
     rows = [r for r in rows if "ms_fast_act" in r or "ms_fused_split" in r]  # kept runs before fast, act have neither
     if not rows:
         return []
@@ -358,9 +360,10 @@ def split_table(rows) -> list[str]:
             "up to the split rank and the hook's expand the others (fused, split).", "",
             tables.markdown(["shape", "ranks", "tokens", "split rank", "fast", "fast, act", "fused", "fused, split",
                              "fused floor", "fused / fused floor", "split / fused floor"],
-                            ([r["shape"], r["ranks"], r["tokens"], r.get("split_rank") or "–", ms(r, "ms_fast"),
-                              ms(r, "ms_fast_act"), ms(r, "ms_fused"), ms(r, "ms_fused_split"), ms(r, "fused_floor_ms"),
-                              ratio(r, "fused_over_fused_floor"), f"**{ratio(r, 'fused_split_over_fused_floor')}**"]
+                            ([r["shape"], r["ranks"], r["tokens"], r.get("split_rank") or "–", ms(r["ms_fast"]),
+                              ms(r.get("ms_fast_act")), ms(r["ms_fused"]), ms(r.get("ms_fused_split")),
+                              ms(r["fused_floor_ms"]), ms(r["fused_over_fused_floor"], 2),
+                              f"**{ms(r.get('fused_split_over_fused_floor'), 2)}**"]
                              for r in rows))]
 
 

@@ -83,12 +83,12 @@ def plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: in
 @functools.lru_cache(maxsize=4096)  # every MoE layer of a batch asks for the same plan
 def _plan(num_pairs: int, hidden: int, intermediate: int, experts: int, loras: int, max_rank: int,
           tiles_path: str | None) -> Plan:
-    key = shape_key(hidden, intermediate, experts, max_rank)
-    buckets = tiles_of(_table(tiles_path), _gpu()).get(key)
+    key, gpu = shape_key(hidden, intermediate, experts, max_rank), _gpu()
+    buckets = tiles_of(_table(tiles_path), gpu).get(key)
     if buckets:
         entry = next((b for b in buckets if num_pairs <= b["max_pairs"]), buckets[-1])
         return Plan(entry["block_m"], _stage(entry["gate_up"]), _stage(entry["down"]))
-    info_once(f"no LoRA MoE tiles tuned for {key} on {_gpu() or 'this device'}: the fast path takes a rule of thumb "
+    info_once(f"no LoRA MoE tiles tuned for {key} on {gpu or 'this device'}: the fast path takes a rule of thumb "
               f"(benchmarks/tune_lora_moe.py in a checkout tunes them into a file for {TILES_ENV})")
     keys = loras * experts
     return Plan(rule_block_m(num_pairs, keys),
