@@ -56,6 +56,14 @@ NARROW = [(0, {}), (0, {"GROUP_M": 8}), (0, {"BLOCK_N": 64})]
 """The GEMM of one column tile a program (``N_TILES=0``: ``moe_gemm``'s narrow kernel, SGLang's tile unless named),
 the LoRA in its epilogue: more programs than the wide kernel's, each paying the block's prologue again, for a K long
 enough that the prologue is a small part (Qwen3-30B-A3B tp 1's six K tiles)."""
+AHEAD = [(16, {"num_stages": 2, "num_warps": 8}), (16, {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8}),
+         *((n, {**c, "LORA_AHEAD": ahead}) for ahead in (1, 2)
+           for n, c in ((16, {"num_stages": 2}), (16, {"BLOCK_N": 64, "num_stages": 2}),
+                        (16, {"num_stages": 2, "num_warps": 8}), (16, {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8})))]
+"""Variants whose column tile's LoRA B tiles are loaded before its K steps (``LORA_AHEAD`` 1; 2: not zeroed past the
+rank, whose ranks of ``t`` are zero), against the same tiles loading them after (8 warps: half the registers a thread
+for the tiles in flight); timed over SGLang's list ordered by adapter only, each checked bit for bit against its tile
+without ``LORA_AHEAD``."""
 ORDERED = WIDE[1:6] + K_LOOPS + NARROW
 """The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks);
 one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared memory."""
@@ -159,7 +167,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
            for n, c in ORDERED},
         "order by adapter": lambda: moe_gemm.order_by_adapter(*real, slots, topk, block_m, num_slots),
         **{f"SGLang's list ordered: wide + LoRA, {label(n, c)}": (
-            lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in ORDERED},
+            lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in ORDERED + AHEAD},
         **{f"shuffled: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=shuffled, n_tiles=n, **c))
            for n, c in SHUFFLED},
     }
@@ -176,8 +184,14 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
     exact = all(torch.equal(output(n, c), output(n, {**c, "K_LOOP": 0, "num_stages": 1})) for n, c in looped)
     if looped:
         print(f"{name} {ranks_name} {tokens}: K loops bit for bit the unrolled K steps: {exact}", flush=True)
+    # B tiles loaded ahead: the same GEMMs in the same order, so the same output to the bit.
+    ahead = [(n, c) for n, c in AHEAD if "LORA_AHEAD" in c and f"SGLang's list ordered: wide + LoRA, {label(n, c)}" in times]
+    same = all(torch.equal(output(n, c), output(n, {**c, "LORA_AHEAD": 0})) for n, c in ahead)
+    if ahead:
+        print(f"{name} {ranks_name} {tokens}: B tiles ahead bit for bit behind: {same}", flush=True)
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "tile": base_tile, "use_tma": use_tma,
-           **({"k loop bit for bit": exact} if looped else {}), **{f"ms {p}": t for p, t in times.items()}}
+           **({"k loop bit for bit": exact} if looped else {}), **({"ahead bit for bit": same} if ahead else {}),
+           **{f"ms {p}": t for p, t in times.items()}}
     row["ms fast"] = times["sglang"] + times["hook"]
     for kind, prefix, ordering in (("", "wide + LoRA", 0.0),
                                    (" ordered", "SGLang's list ordered: wide + LoRA", times["order by adapter"])):

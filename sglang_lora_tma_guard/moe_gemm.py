@@ -224,6 +224,7 @@ def _moe_gemm_wide_kernel(
     FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr, B_TMA: tl.constexpr,
     RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
     K_LOOP: tl.constexpr = 0,  # 1: the K steps a loop, the one pipelined, a stage one K tile (for a long K)
+    LORA_AHEAD: tl.constexpr = 0,  # 1: a column tile's B tiles loaded before its K steps (2: and not masked past rank)
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -274,7 +275,7 @@ def _moe_gemm_wide_kernel(
                    num_slots, N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                    stride_se, stride_sn, stride_sk, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
-                   EVEN_K, K_LOOP)
+                   EVEN_K, K_LOOP, LORA_AHEAD)
 
 
 @triton.jit
@@ -285,7 +286,7 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
                SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
                LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
-               K_LOOP: tl.constexpr):
+               K_LOOP: tl.constexpr, LORA_AHEAD: tl.constexpr):
     """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored. The same K steps in
     the same order either way: unrolled (``K_LOOP`` 0; the column loop is then the one Triton pipelines, each stage
     holding every K tile) or a loop (the one pipelined, a stage one K tile)."""
@@ -298,6 +299,10 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
     else:
         s_ptrs = b_ptrs  # unread
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if LORA and LORA_AHEAD:
+        first_b, last_b = _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok,
+                                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE,
+                                          LORA_AHEAD == 1)
     if K_LOOP:
         for kt in range(K_TILES):
             acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
@@ -310,7 +315,10 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
                           as_ptrs + kt * stride_ask, s_ptrs + kt * stride_sk, route_ok, offs_k, expert,
                           tile * BLOCK_N, kt * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K,
                           SCALE_BLOCK_N % BLOCK_N == 0)
-    if LORA:
+    if LORA and LORA_AHEAD:
+        acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
+                        ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+    elif LORA:
         acc = _lora_add_late(acc, slot, wanted, ranks_t, first, first_rank, last, last_rank, expert, offs_n, n_ok,
                              lora_b_ptr, ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R,
                              RANK_GRANULE)
@@ -458,24 +466,28 @@ def _scaled_dot(acc, a, b, a_scale, s_ptrs, ONE_SCALE: tl.constexpr):
 
 @triton.jit
 def _lora_b_tile(lora_b_ptr, adapter, rank, expert, offs_n, n_ok, stride_ll, stride_le, stride_ln, stride_lr,
-                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
+                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr, ZERO_PAST_RANK: tl.constexpr = True):
     """Adapter ``adapter``'s B tile (its ranks x the tile's columns), zero from its ``rank`` on; ranks all past
-    ``rank`` read nothing."""
+    ``rank`` read nothing. Without ``ZERO_PAST_RANK`` the ranks between ``rank`` and its granule keep what the buffer
+    holds there (a caller whose ranks are zero there)."""
     offs_r = tl.arange(0, BLOCK_R)
     b = tl.load(_lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le) + offs_n[None, :] * stride_ln
                 + offs_r[:, None] * stride_lr,
                 mask=(offs_r[:, None] < _granule(rank, RANK_GRANULE)) & n_ok[None, :], other=0.0)
-    return tl.where(offs_r[:, None] < rank, b, 0.0)
+    if ZERO_PAST_RANK:
+        b = tl.where(offs_r[:, None] < rank, b, 0.0)
+    return b
 
 
 @triton.jit
 def _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok, stride_ll, stride_le,
-                    stride_ln, stride_lr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
+                    stride_ln, stride_lr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr,
+                    ZERO_PAST_RANK: tl.constexpr = True):
     """The B tiles of a block's lowest and highest adapter (:func:`_lora_slots`); one of rank 0 reads nothing."""
     first_b = _lora_b_tile(lora_b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
-                           stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+                           stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE, ZERO_PAST_RANK)
     last_b = _lora_b_tile(lora_b_ptr, tl.where(last_rank > 0, last, 0), last_rank, expert, offs_n, n_ok,
-                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE, ZERO_PAST_RANK)
     return first_b, last_b
 
 

@@ -78,15 +78,16 @@ def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
 
 
 def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, n_tiles: int = 0,
-        order=None, k_loop: int = 0):
+        order=None, k_loop: int = 0, lora_ahead: int = 0):
     """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``, its K steps
-    unrolled or (``k_loop``) a loop; ``order``: a change to the list first."""
+    unrolled or (``k_loop``) a loop, its B tiles loaded before them with ``lora_ahead``; ``order``: a change to the
+    list first."""
     sorted_ids, expert_ids, post_padded = align_block_size(inputs["topk_ids"], block_m, EXPERTS)
     if order is not None:
         sorted_ids, expert_ids, post_padded = order((sorted_ids, expert_ids, post_padded), block_m)
     out = torch.full((TOKENS * TOPK, n), float("nan"), dtype=torch.float16)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if fp8 else block_k, GROUP_M=2, num_warps=4,
-                num_stages=2, **({"K_LOOP": k_loop} if n_tiles else {}))
+                num_stages=2, **({"K_LOOP": k_loop, "LORA_AHEAD": lora_ahead} if n_tiles else {}))
     moe_gemm.moe_gemm(inputs["a"], inputs["w"], out, a_scale=inputs["a_scale"], w_scale=inputs["w_scale"], bias=None,
                       topk_weights=inputs["weights"].reshape(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                       num_post_padded=post_padded, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
@@ -128,6 +129,20 @@ def test_the_wide_gemms_k_loop_is_its_unrolled_k_steps_bit_for_bit(fp8):
     assert not looped.isnan().any()
     assert torch.equal(looped, unrolled)
     assert float((looped.float() - expected).abs().max() / expected.abs().max()) < TOLERANCE
+
+
+@pytest.mark.parametrize("k_loop", [0, 1], ids=["unrolled", "k-loop"])
+def test_the_wide_epilogues_b_tiles_loaded_ahead_give_its_output_bit_for_bit(k_loop):
+    """``LORA_AHEAD``: each column tile's B tiles of the block's lowest and highest adapter loaded before its K steps
+    instead of after them: the same GEMMs in the same order, so the same output to the bit (mixed ranks, one of them
+    odd, a disabled slot, blocks of three adapters, NaN in the buffers past each rank)."""
+    n, k = 200, 72
+    inputs, expected = make(n, k, False, False)
+    behind = run(inputs, n, 16, 32, 32, False, n_tiles=3, k_loop=k_loop)
+    ahead = run(inputs, n, 16, 32, 32, False, n_tiles=3, k_loop=k_loop, lora_ahead=1)
+    assert not ahead.isnan().any()
+    assert torch.equal(ahead, behind)
+    assert float((ahead.float() - expected).abs().max() / expected.abs().max()) < TOLERANCE
 
 
 def order_by_adapter(route_list, block_m: int, token_lora):
