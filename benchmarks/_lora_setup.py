@@ -262,6 +262,18 @@ def fused_down_asked() -> str:
     return os.environ.get("FUSED_DOWN", "placed")
 
 
+def wide_change_asked() -> dict:
+    """``WIDE_CHANGE`` (JSON): kernel switches :func:`fused_down` adds to every wide tile ``fused_lora`` places, e.g.
+    ``{"LORA_AHEAD": 1}``: the fused launch as it would run with them shipped ({} unless set)."""
+    import json
+    import os
+
+    change = json.loads(os.environ.get("WIDE_CHANGE") or "{}")
+    if not isinstance(change, dict):
+        raise SystemExit(f"WIDE_CHANGE={change!r}: a JSON object of the wide kernel's switches")
+    return change
+
+
 @contextlib.contextmanager
 def fused_down(on: bool, act: bool = True, how: str | None = None, split_rank: int | None = None):
     """The fast hooks built and run with (``on``) or without the fused down GEMM (``fused_lora``) and, with it unless
@@ -273,7 +285,7 @@ def fused_down(on: bool, act: bool = True, how: str | None = None, split_rank: i
     every batch, its epilogue taking the adapters up to rank R and the hook's expand the rest
     (``fused_lora.SPLIT_FROM_ROUTES``); ``FUSED_DOWN=nowhere``: no batch, the gate-up delta still in the activation
     (how ``=fast`` runs a batch it places no fused launch for). ``how``: one of these instead of the environment's;
-    ``split_rank``: R (every batch, whatever ``how`` says)."""
+    ``split_rank``: R (every batch, whatever ``how`` says). ``WIDE_CHANGE``: :func:`wide_change_asked`."""
     from sglang_lora_tma_guard import fused_act, fused_lora
 
     how = how or fused_down_asked()
@@ -283,6 +295,13 @@ def fused_down(on: bool, act: bool = True, how: str | None = None, split_rank: i
         raise SystemExit(f"FUSED_DOWN={how!r}: placed (the default), everywhere, everywhere-narrow, nowhere or split-R "
                          "(a rank)")
     tiles, placed = (fused_lora.WIDE_TILES, fused_lora.WIDE_TILES_BY_K_TILES), fused_lora._placed
+    change = wide_change_asked()
+    if on and change:  # the wide tiles only (n_tiles > 0): the narrow kernel takes no such switches
+        def changed(rows):
+            return tuple((rank, n, {**c, **change} if n else c) for rank, n, c in rows)
+
+        fused_lora.WIDE_TILES = changed(fused_lora.WIDE_TILES)
+        fused_lora.WIDE_TILES_BY_K_TILES = {k: changed(rows) for k, rows in fused_lora.WIDE_TILES_BY_K_TILES.items()}
     if on and how == "nowhere" and split_rank is None:
         fused_lora._placed = lambda routes, max_rank, k: None
     if on and how == "everywhere-narrow":

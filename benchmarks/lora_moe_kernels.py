@@ -59,6 +59,7 @@ from benchmarks._lora_setup import (
     lora_batch,
     one_stream,
     run_batches,
+    wide_change_asked,
 )
 from harness import real_lora, tables
 from sglang_lora_tma_guard import lora_moe, lora_path, tuning
@@ -263,6 +264,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, split_rank: 
            "ms_fast_one_stream": times["one_stream"], "ms_fused": times["fused"], "ms_default": times["default"],
            "ms_fused_no_act": times["fused_no_act"], "ms_fast_act": times["fast_act"],
            "fused_down": fused_down_asked(),  # where the fused column took the launch
+           **({"wide_change": wide_change_asked()} if wide_change_asked() else {}),
            "fast_speedup": times["default"] / times["fast"]}
     if "expand_act" in times:
         row["floor_ms_expand_act"] = floor_ms(*moved["kernels"]["expand_act"])
