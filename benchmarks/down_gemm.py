@@ -56,14 +56,14 @@ NARROW = [(0, {}), (0, {"GROUP_M": 8}), (0, {"BLOCK_N": 64})]
 """The GEMM of one column tile a program (``N_TILES=0``: ``moe_gemm``'s narrow kernel, SGLang's tile unless named),
 the LoRA in its epilogue: more programs than the wide kernel's, each paying the block's prologue again, for a K long
 enough that the prologue is a small part (Qwen3-30B-A3B tp 1's six K tiles)."""
-AHEAD = [(16, {"num_stages": 2, "num_warps": 8}), (16, {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8}),
-         *((n, {**c, "LORA_AHEAD": ahead}) for ahead in (1, 2)
-           for n, c in ((16, {"num_stages": 2}), (16, {"BLOCK_N": 64, "num_stages": 2}),
-                        (16, {"num_stages": 2, "num_warps": 8}), (16, {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8})))]
+_BEHIND = [{"num_stages": 2}, {"BLOCK_N": 64, "num_stages": 2}, {"num_stages": 2, "num_warps": 8},
+           {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8}, {"num_stages": 3}, {"num_stages": 3, "num_warps": 8}]
+AHEAD = [*((16, c) for c in _BEHIND[2:]), *((16, {**c, "LORA_AHEAD": 1}) for c in _BEHIND),
+         *((16, {**c, "LORA_AHEAD": 2}) for c in _BEHIND[:2])]
 """Variants whose column tile's LoRA B tiles are loaded before its K steps (``LORA_AHEAD`` 1; 2: not zeroed past the
 rank, whose ranks of ``t`` are zero), against the same tiles loading them after (8 warps: half the registers a thread
-for the tiles in flight); timed over SGLang's list ordered by adapter only, each checked bit for bit against its tile
-without ``LORA_AHEAD``."""
+for the tiles in flight; 3 stages: the next tile's K steps in flight too, one program an SM); timed over SGLang's list
+ordered by adapter only, each with ``LORA_AHEAD`` checked bit for bit against its tile without."""
 ORDERED = WIDE[1:6] + K_LOOPS + NARROW
 """The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks);
 one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared memory."""
