@@ -13,6 +13,7 @@ holds at once (65,536 registers and 228 KB on an H100/H200).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -38,9 +39,12 @@ def compiled(kernel, *, types: dict[str, str], constexprs: dict, unit: tuple[str
     from triton.compiler import ASTSource
 
     signature, values = {}, {}
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
     for name in kernel.arg_names:
         if name in constexprs or name in unit:
             signature[name], values[name] = "constexpr", constexprs.get(name, 1)
+        elif name in defaults:  # a switch left at its default is a constexpr as launched, not an int argument
+            signature[name], values[name] = "constexpr", defaults[name]
         else:
             signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
