@@ -670,6 +670,30 @@ def test_fused_down_takes_its_placement_from_the_caller_before_the_environment(m
     assert fused_lora._placed(1 << 20, 16, 256) == placed_here and not fused_act.placed()
 
 
+def test_wide_change_adds_kernel_switches_to_the_wide_tiles_the_fused_launch_places_while_it_runs(monkeypatch):
+    """``WIDE_CHANGE``: the switches given (``{"LORA_AHEAD": 1}``) on every wide tile ``fused_lora.wide_tile`` places
+    inside ``fused_down``, none on a narrow one (its kernel takes no such switch), the shipped tables after; an odd
+    value is refused by name."""
+    from benchmarks._lora_setup import fused_down
+    from harness.ptx import HOPPER_SHARED_BYTES
+    from sglang_lora_tma_guard import fused_lora
+
+    config = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
+              "num_stages": 3}
+    cases = [(256, 16), (256, 64), (384, 16), (768, 32)]  # K, max rank: wide, wide, wide with a K loop, narrow
+    shipped = {case: fused_lora.wide_tile(config, 128, *case, 1, HOPPER_SHARED_BYTES) for case in cases}
+    monkeypatch.setenv("WIDE_CHANGE", '{"LORA_AHEAD": 1}')
+    with fused_down(True, how="everywhere"):
+        changed = {case: fused_lora.wide_tile(config, 128, *case, 1, HOPPER_SHARED_BYTES) for case in cases}
+    for case, (tile, n_tiles) in shipped.items():
+        assert changed[case] == (({**tile, "LORA_AHEAD": 1} if n_tiles else tile), n_tiles), case
+    assert [n for _, n in shipped.values()] == [16, 16, 16, 0]
+    assert {case: fused_lora.wide_tile(config, 128, *case, 1, HOPPER_SHARED_BYTES) for case in cases} == shipped
+    monkeypatch.setenv("WIDE_CHANGE", "[1]")
+    with pytest.raises(SystemExit, match="WIDE_CHANGE"), fused_down(True):
+        pass
+
+
 def test_the_fused_policy_reads_the_whole_call_of_runs_with_the_launch_everywhere(capsys, tmp_path):
     """``fused_policy --whole``: the whole hooked call's fused column against ``fast, act``, only of rows run with
     ``FUSED_DOWN=everywhere``. The kept Qwen3-30B-A3B tp2 tables (an H100) predate ``fast, act``: they are read with
