@@ -13,6 +13,7 @@
 # launch: benchmarks/launch_check.py (direct launches bit for bit Triton's own), then the hooks' host time a
 # layer (benchmarks/hook_host_time.py --cuda) into $OUT/host-cuda.txt.
 # FUSED_DOWN=everywhere: the bench and kernels tables' fused column takes every batch the fused launch covers.
+# WIDE_CHANGE='{"LORA_AHEAD": 1}': kernel switches on every wide tile the fused launch places (benchmarks/_lora_setup.py).
 # place-act: the gate-up work in the activation (fused_act) placed at every batch (FUSED_DOWN=everywhere): the
 # whole call's errors against the float32 reference (lora_moe_h200, into $OUT/bench), then its time with and without
 # it (lora_moe_kernels' fused and fused, gate-up hooked columns, into $OUT/kernels).
