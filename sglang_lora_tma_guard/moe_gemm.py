@@ -224,7 +224,8 @@ def _moe_gemm_wide_kernel(
     FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr, B_TMA: tl.constexpr,
     RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
     K_LOOP: tl.constexpr = 0,  # 1: the K steps a loop, the one pipelined, a stage one K tile (for a long K)
-    LORA_AHEAD: tl.constexpr = 0,  # 1: a column tile's B tiles loaded before its K steps (2: and not masked past rank)
+    LORA_AHEAD: tl.constexpr = 0,  # 1: a column tile's B tiles loaded before its K steps; 2 (benchmarks only, not
+    # NaN-safe): and not zeroed past each rank
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -289,7 +290,9 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
                K_LOOP: tl.constexpr, LORA_AHEAD: tl.constexpr):
     """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored. The same K steps in
     the same order either way: unrolled (``K_LOOP`` 0; the column loop is then the one Triton pipelines, each stage
-    holding every K tile) or a loop (the one pipelined, a stage one K tile)."""
+    holding every K tile) or a loop (the one pipelined, a stage one K tile). With ``LORA_AHEAD`` the epilogue's B tiles
+    are loaded before the K steps, in flight while the K steps' copies are waited for, and added after them in the
+    same order (:func:`_lora_add`); else each just before its GEMM (:func:`_lora_add_late`)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     b_cols = offs_n % N  # columns past N read a valid column's weights, never stored
