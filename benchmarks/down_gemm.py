@@ -179,18 +179,21 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
         own(lora, blocks=ordered, n_tiles=n_tiles, **change)
         return c3.clone()
 
-    # A K loop is the unrolled K steps in the same order: the same output to the bit (one stage, which always fits).
-    looped = [(n, c) for n, c in K_LOOPS if f"SGLang's list ordered: wide + LoRA, {label(n, c)}" in times]
-    exact = all(torch.equal(output(n, c), output(n, {**c, "K_LOOP": 0, "num_stages": 1})) for n, c in looped)
-    if looped:
-        print(f"{name} {ranks_name} {tokens}: K loops bit for bit the unrolled K steps: {exact}", flush=True)
-    # B tiles loaded ahead: the same GEMMs in the same order, so the same output to the bit.
-    ahead = [(n, c) for n, c in AHEAD if "LORA_AHEAD" in c and f"SGLang's list ordered: wide + LoRA, {label(n, c)}" in times]
-    same = all(torch.equal(output(n, c), output(n, {**c, "LORA_AHEAD": 0})) for n, c in ahead)
-    if ahead:
-        print(f"{name} {ranks_name} {tokens}: B tiles ahead bit for bit behind: {same}", flush=True)
+    def bit_for_bit(variants, undo: dict, what: str) -> dict:
+        """``{what: whether every timed variant's output is, to the bit, its tile's with undo}`` ({} where none was
+        timed)."""
+        timed = [(n, c) for n, c in variants if f"SGLang's list ordered: wide + LoRA, {label(n, c)}" in times]
+        if not timed:
+            return {}
+        same = all(torch.equal(output(n, c), output(n, {**c, **undo})) for n, c in timed)
+        print(f"{name} {ranks_name} {tokens}: {what}: {same}", flush=True)
+        return {what: same}
+
+    # A K loop is the unrolled K steps in the same order (one stage, which always fits); B tiles loaded ahead are the
+    # same GEMMs in the same order: the same output to the bit, both.
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "tile": base_tile, "use_tma": use_tma,
-           **({"k loop bit for bit": exact} if looped else {}), **({"ahead bit for bit": same} if ahead else {}),
+           **bit_for_bit(K_LOOPS, {"K_LOOP": 0, "num_stages": 1}, "k loop bit for bit"),
+           **bit_for_bit([(n, c) for n, c in AHEAD if "LORA_AHEAD" in c], {"LORA_AHEAD": 0}, "ahead bit for bit"),
            **{f"ms {p}": t for p, t in times.items()}}
     row["ms fast"] = times["sglang"] + times["hook"]
     for kind, prefix, ordering in (("", "wide + LoRA", 0.0),

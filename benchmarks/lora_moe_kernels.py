@@ -259,12 +259,13 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, split_rank: 
     times = replay_times(graphs)
     del graphs
     moved = traffic(info, ids, width3, inter)
+    change = wide_change_asked()
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "block_m": tiles.block_m,
            "pairs_with_delta": moved["pairs_with_delta"], "ms_nohook": times["nohook"], "ms_fast": times["fast"],
            "ms_fast_one_stream": times["one_stream"], "ms_fused": times["fused"], "ms_default": times["default"],
            "ms_fused_no_act": times["fused_no_act"], "ms_fast_act": times["fast_act"],
            "fused_down": fused_down_asked(),  # where the fused column took the launch
-           **({"wide_change": wide_change_asked()} if wide_change_asked() else {}),
+           **({"wide_change": change} if change else {}),  # switches on the fused launch's wide tiles
            "fast_speedup": times["default"] / times["fast"]}
     if "expand_act" in times:
         row["floor_ms_expand_act"] = floor_ms(*moved["kernels"]["expand_act"])
