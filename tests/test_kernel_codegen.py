@@ -25,6 +25,7 @@ VECTOR = ("expand, one rank tile", "expand, rank tiles of 16", "shrink", "one ke
           # as =fast launches it (fused_lora.WIDE_TILES); compiling it at all is half of this test: Triton's
           # interpreter, which runs every other test, accepts kernels its compiler rejects
           "wide fused down GEMM, rank 16", "wide fused down GEMM, rank 64", "wide fused down GEMM, K loop",
+          "wide fused down GEMM, rank 32, B tiles ahead", "wide fused down GEMM, rank 64, B tiles ahead",
           "expand and activation", "expand and activation, block by block, rows a tile ahead")
 CONTROLS = ("expand, one rank tile, exact rank masks", "expand, rank tiles of 16, exact rank masks",
             "fused down GEMM, exact rank masks")
