@@ -58,12 +58,14 @@ the LoRA in its epilogue: more programs than the wide kernel's, each paying the 
 enough that the prologue is a small part (Qwen3-30B-A3B tp 1's six K tiles)."""
 _BEHIND = [{"num_stages": 2}, {"BLOCK_N": 64, "num_stages": 2}, {"num_stages": 2, "num_warps": 8},
            {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8}, {"num_stages": 3}, {"num_stages": 3, "num_warps": 8}]
-AHEAD = [*((16, c) for c in _BEHIND[2:]), *((16, {**c, "LORA_AHEAD": 1}) for c in _BEHIND),
+AHEAD = [*((16, c) for c in _BEHIND), *((16, {**c, "LORA_AHEAD": 1}) for c in _BEHIND),
          *((16, {**c, "LORA_AHEAD": 2}) for c in _BEHIND[:2])]
 """Variants whose column tile's LoRA B tiles are loaded before its K steps (``LORA_AHEAD`` 1; 2: not zeroed past the
 rank, whose ranks of ``t`` are zero), against the same tiles loading them after (8 warps: half the registers a thread
 for the tiles in flight; 3 stages: the next tile's K steps in flight too, one program an SM); timed over SGLang's list
-ordered by adapter only, each with ``LORA_AHEAD`` checked bit for bit against its tile without."""
+ordered by adapter only, under their own name (``AHEAD_ROWS``, out of the ordered rows ``thresholds`` times), each with
+``LORA_AHEAD`` checked bit for bit against its tile without."""
+AHEAD_ROWS = "B tiles ahead sweep, ordered: wide + LoRA, "
 ORDERED = WIDE[1:6] + K_LOOPS + NARROW
 """The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks);
 one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared memory."""
@@ -167,7 +169,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
            for n, c in ORDERED},
         "order by adapter": lambda: moe_gemm.order_by_adapter(*real, slots, topk, block_m, num_slots),
         **{f"SGLang's list ordered: wide + LoRA, {label(n, c)}": (
-            lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in ORDERED + AHEAD},
+            lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in ORDERED},
+        **{AHEAD_ROWS + label(n, c): (lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in AHEAD},
         **{f"shuffled: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=shuffled, n_tiles=n, **c))
            for n, c in SHUFFLED},
     }
@@ -179,10 +182,10 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
         own(lora, blocks=ordered, n_tiles=n_tiles, **change)
         return c3.clone()
 
-    def bit_for_bit(variants, undo: dict, what: str) -> dict:
-        """``{what: whether every timed variant's output is, to the bit, its tile's with undo}`` ({} where none was
-        timed)."""
-        timed = [(n, c) for n, c in variants if f"SGLang's list ordered: wide + LoRA, {label(n, c)}" in times]
+    def bit_for_bit(variants, rows: str, undo: dict, what: str) -> dict:
+        """``{what: whether every variant timed under rows gives, to the bit, its tile's output with undo}`` ({} where
+        none was timed)."""
+        timed = [(n, c) for n, c in variants if rows + label(n, c) in times]
         if not timed:
             return {}
         same = all(torch.equal(output(n, c), output(n, {**c, **undo})) for n, c in timed)
@@ -192,8 +195,10 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
     # A K loop is the unrolled K steps in the same order (one stage, which always fits); B tiles loaded ahead are the
     # same GEMMs in the same order: the same output to the bit, both.
     row = {"shape": name, "ranks": ranks_name, "tokens": tokens, "tile": base_tile, "use_tma": use_tma,
-           **bit_for_bit(K_LOOPS, {"K_LOOP": 0, "num_stages": 1}, "k loop bit for bit"),
-           **bit_for_bit([(n, c) for n, c in AHEAD if "LORA_AHEAD" in c], {"LORA_AHEAD": 0}, "ahead bit for bit"),
+           **bit_for_bit(K_LOOPS, "SGLang's list ordered: wide + LoRA, ", {"K_LOOP": 0, "num_stages": 1},
+                         "k loop bit for bit"),
+           **bit_for_bit([(n, c) for n, c in AHEAD if "LORA_AHEAD" in c], AHEAD_ROWS, {"LORA_AHEAD": 0},
+                         "ahead bit for bit"),
            **{f"ms {p}": t for p, t in times.items()}}
     row["ms fast"] = times["sglang"] + times["hook"]
     for kind, prefix, ordering in (("", "wide + LoRA", 0.0),
