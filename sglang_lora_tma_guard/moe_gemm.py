@@ -225,7 +225,7 @@ def _moe_gemm_wide_kernel(
     RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
     K_LOOP: tl.constexpr = 0,  # 1: the K steps a loop, the one pipelined, a stage one K tile (for a long K)
     LORA_AHEAD: tl.constexpr = 0,  # 1: a column tile's B tiles loaded before its K steps; 2 (benchmarks only, not
-    # NaN-safe): and not zeroed past each rank
+    # NaN-safe): and not zeroed past each rank; 3: as 1, their GEMMs unconditional, so pipelined with the column loop
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -292,7 +292,8 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
     the same order either way: unrolled (``K_LOOP`` 0; the column loop is then the one Triton pipelines, each stage
     holding every K tile) or a loop (the one pipelined, a stage one K tile). With ``LORA_AHEAD`` the epilogue's B tiles
     are loaded before the K steps, in flight while the K steps' copies are waited for, and added after them in the
-    same order (:func:`_lora_add`); else each just before its GEMM (:func:`_lora_add_late`)."""
+    same order (:func:`_lora_add`; 3: :func:`_lora_add_always`, whose B tiles Triton copies a column tile ahead);
+    else each just before its GEMM (:func:`_lora_add_late`)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     b_cols = offs_n % N  # columns past N read a valid column's weights, never stored
@@ -305,7 +306,7 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
     if LORA and LORA_AHEAD:
         first_b, last_b = _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok,
                                           stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE,
-                                          LORA_AHEAD == 1)
+                                          LORA_AHEAD != 2)
     if K_LOOP:
         for kt in range(K_TILES):
             acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
@@ -318,7 +319,10 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
                           as_ptrs + kt * stride_ask, s_ptrs + kt * stride_sk, route_ok, offs_k, expert,
                           tile * BLOCK_N, kt * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K,
                           SCALE_BLOCK_N % BLOCK_N == 0)
-    if LORA and LORA_AHEAD:
+    if LORA and LORA_AHEAD == 3:
+        acc = _lora_add_always(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok,
+                               lora_b_ptr, ranks_ptr, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+    elif LORA and LORA_AHEAD:
         acc = _lora_add(acc, slot, wanted, ranks_t, first, first_b, last, last_b, expert, offs_n, n_ok, lora_b_ptr,
                         ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     elif LORA:
@@ -550,6 +554,23 @@ def _lora_add(acc, slot, wanted, t, first, first_b, last, last_b, expert, offs_n
         if last > first + 1:
             acc = _lora_rest(acc, slot, wanted, t, first, last, expert, offs_n, n_ok, b_ptr, ranks_ptr,
                              stride_bl, stride_be, stride_bn, stride_br, BLOCK_R, RANK_GRANULE)
+    return acc
+
+
+@triton.jit
+def _lora_add_always(acc, slot, wanted, t, first, first_b, last, last_b, expert, offs_n, n_ok, b_ptr, ranks_ptr,
+                     stride_bl, stride_be, stride_bn, stride_br, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
+    """:func:`_lora_add` with the lowest and the highest adapter's GEMMs unconditional: where a block has no such
+    adapter its rows of ``t`` are zero and its B tile (rank 0, :func:`_lora_end_tiles`) is zero, read from nowhere.
+    A load that feeds a GEMM under no branch is one Triton software-pipelines: in the wide kernel the two B tiles
+    become copies into shared memory a column tile ahead (``cp.async`` in the sm_90 PTX), where under
+    :func:`_lora_add`'s branches they are loads waited for in the epilogue. The same GEMMs in the same order, the
+    added ones of zero products into a float32 accumulator: the output bit for bit."""
+    acc += tl.dot(tl.where((wanted & (slot == first))[:, None], t, tl.zeros_like(t)), first_b)
+    acc += tl.dot(tl.where((wanted & (slot == last) & (last > first))[:, None], t, tl.zeros_like(t)), last_b)
+    if last > first + 1:
+        acc = _lora_rest(acc, slot, wanted, t, first, last, expert, offs_n, n_ok, b_ptr, ranks_ptr,
+                         stride_bl, stride_be, stride_bn, stride_br, BLOCK_R, RANK_GRANULE)
     return acc
 
 

@@ -131,15 +131,17 @@ def test_the_wide_gemms_k_loop_is_its_unrolled_k_steps_bit_for_bit(fp8):
     assert float((looped.float() - expected).abs().max() / expected.abs().max()) < TOLERANCE
 
 
+@pytest.mark.parametrize("lora_ahead", [1, 3], ids=["ahead", "ahead-unconditional"])
 @pytest.mark.parametrize("k_loop", [0, 1], ids=["unrolled", "k-loop"])
-def test_the_wide_epilogues_b_tiles_loaded_ahead_give_its_output_bit_for_bit(k_loop):
+def test_the_wide_epilogues_b_tiles_loaded_ahead_give_its_output_bit_for_bit(k_loop, lora_ahead):
     """``LORA_AHEAD``: each column tile's B tiles of the block's lowest and highest adapter loaded before its K steps
-    instead of after them: the same GEMMs in the same order, so the same output to the bit (mixed ranks, one of them
-    odd, a disabled slot, blocks of three adapters, NaN in the buffers past each rank)."""
+    instead of after them (3: and their GEMMs run in every block, of zero rows where it has no such adapter): the
+    same GEMMs in the same order, so the same output to the bit (mixed ranks, one of them odd, a disabled slot,
+    blocks of three adapters, blocks of none, NaN in the buffers past each rank)."""
     n, k = 200, 72
     inputs, expected = make(n, k, False, False)
     behind = run(inputs, n, 16, 32, 32, False, n_tiles=3, k_loop=k_loop)
-    ahead = run(inputs, n, 16, 32, 32, False, n_tiles=3, k_loop=k_loop, lora_ahead=1)
+    ahead = run(inputs, n, 16, 32, 32, False, n_tiles=3, k_loop=k_loop, lora_ahead=lora_ahead)
     assert not ahead.isnan().any()
     assert torch.equal(ahead, behind)
     assert float((ahead.float() - expected).abs().max() / expected.abs().max()) < TOLERANCE

@@ -26,6 +26,7 @@ VECTOR = ("expand, one rank tile", "expand, rank tiles of 16", "shrink", "one ke
           # interpreter, which runs every other test, accepts kernels its compiler rejects
           "wide fused down GEMM, rank 16", "wide fused down GEMM, rank 64", "wide fused down GEMM, K loop",
           "wide fused down GEMM, rank 32, B tiles ahead", "wide fused down GEMM, rank 64, B tiles ahead",
+          "wide fused down GEMM, rank 32, B tiles pipelined",
           "expand and activation", "expand and activation, block by block, rows a tile ahead")
 CONTROLS = ("expand, one rank tile, exact rank masks", "expand, rank tiles of 16, exact rank masks",
             "fused down GEMM, exact rank masks")
@@ -68,6 +69,18 @@ def test_lora_kernels_load_in_vectors(accesses, name):
 @pytest.mark.parametrize("name", CONTROLS)
 def test_exact_rank_masks_load_element_by_element(accesses, name):
     assert element_loads(accesses[name]) >= 16, accesses[name]
+
+
+def test_b_tiles_feeding_unconditional_gemms_are_copied_a_column_tile_ahead(accesses):
+    """``LORA_AHEAD=3``: the wide kernel's two B tiles a column tile (rank 32 x 128 columns, bf16: 4 16-byte pieces
+    a thread each) feed GEMMs under no branch, so Triton software-pipelines them with the column loop: they leave the
+    loads the epilogue waits for (``ld.global.v4``) for copies into shared memory issued a column tile ahead
+    (``cp.async``, in the loop and its prologue); under ``LORA_AHEAD=1``'s branches they stay loads."""
+    ahead = accesses["wide fused down GEMM, rank 32, B tiles ahead"]
+    pipelined = accesses["wide fused down GEMM, rank 32, B tiles pipelined"]
+    pieces = 2 * (32 * 128 * 2 // 16 // 128)
+    assert pipelined["ld.global.v4.b32"] <= ahead["ld.global.v4.b32"] - pieces, (ahead, pipelined)
+    assert pipelined["cp.async.cg.shared.global"] >= ahead["cp.async.cg.shared.global"] + 2 * pieces, (ahead, pipelined)
 
 
 def test_the_k_loop_is_a_software_pipeline_where_six_k_tiles_unrolled_in_one_stage_are_none():
