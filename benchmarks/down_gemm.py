@@ -67,9 +67,10 @@ K steps in flight too, one program an SM); timed over SGLang's list
 ordered by adapter only, under their own name (``AHEAD_ROWS``, out of the ordered rows ``thresholds`` times), each with
 ``LORA_AHEAD`` checked bit for bit against its tile without."""
 AHEAD_ROWS = "B tiles ahead sweep, ordered: wide + LoRA, "
-ORDERED = WIDE[1:6] + K_LOOPS + NARROW
+ORDERED = WIDE[1:6] + [(16, {"BLOCK_N": 64, "num_stages": 2, "LORA_AHEAD": 3})] + K_LOOPS + NARROW
 """The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks);
-one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared memory."""
+one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared memory; 64-wide columns with the
+B tiles copied ahead, what it takes past rank 32 at two K tiles."""
 SUMS = ("sglang", "hook", "quantize", "shrink", "order by adapter")
 """The parts the sums at the end need: always timed, whatever ``--parts`` says."""
 

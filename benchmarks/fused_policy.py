@@ -8,7 +8,8 @@ ordered"`` or all parts): the fused down side as ``=fast`` launches it, the fp8 
 ordering by adapter (where the table timed it: the tables up to ``benchmarks/results/lora_moe/narrow/`` did not; on
 an H100 it takes 0.006-0.011 ms at 2048-8192 tokens, ``.../route-order/``) + the GEMM with the LoRA epilogue over
 SGLang's route list ordered by adapter at the tile ``fused_lora.wide_tile`` places on a Hopper GPU (one of the
-table's "SGLang's list ordered" rows), against SGLang's down GEMM + the hook (``fast``).
+table's "SGLang's list ordered" rows, or of its "B tiles ahead sweep" ones), against SGLang's down GEMM + the hook
+(``fast``).
 ``benchmarks/lora_moe_kernels.py``'s tables (``lora_moe_kernels.json``) count too where the placed tile is the narrow
 GEMM at SGLang's tile: their ``own down + LoRA`` is that launch (over the benchmark's route list ordered by adapter),
 their ``SGLang down`` + ``shrink down`` + ``expand down`` the unfused side. Then, by the down
@@ -38,6 +39,8 @@ from harness.ptx import HOPPER_SHARED_BYTES
 from sglang_lora_tma_guard import fused_lora, moe_gemm
 
 ORDERED = "ms SGLang's list ordered: wide + LoRA, "
+SWEEP = "ms B tiles ahead sweep, ordered: wide + LoRA, "
+"""``down_gemm.py``'s ``AHEAD`` rows: the same launches over the same list as the ordered rows, under their own name."""
 
 
 def variant(label: str) -> tuple[int, dict] | None:
@@ -70,7 +73,8 @@ def placed_ms(row: dict) -> float | None:
                                          1, HOPPER_SHARED_BYTES)
     ordering = row.get("ms order by adapter", 0.0)  # not in the tables up to narrow/ (see above)
     for key, ms in row.items():
-        got = variant(key.removeprefix(ORDERED)) if key.startswith(ORDERED) else None
+        prefix = next((p for p in (ORDERED, SWEEP) if key.startswith(p)), None)
+        got = variant(key.removeprefix(prefix)) if prefix else None
         if got and got[0] == n_tiles and {**base, **got[1]} == tile:
             return row["ms quantize"] + row["ms shrink"] + ordering + ms
     return None

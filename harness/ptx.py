@@ -190,7 +190,8 @@ def down_as_placed(k: int, max_rank: int, block_m: int = 64, fp8: bool = True, b
     shape = dict(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=block_k, BLOCK_R=moe_gemm.rank_tile(max_rank),
                  FP8=fp8, EVEN_K=k % block_k == 0, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     if n_tiles:
-        built = wide_down(K_TILES=k_tiles, N_TILES=n_tiles, K_LOOP=tile.get("K_LOOP", 0), **shape)
+        switches = {name: tile[name] for name in ("K_LOOP", "LORA_AHEAD") if name in tile}  # as launched
+        built = wide_down(K_TILES=k_tiles, N_TILES=n_tiles, **switches, **shape)
         estimate = moe_gemm.wide_shared_bytes(tile, k_tiles, max_rank, weight_bytes)
     else:
         built = fused_down(GROUP_M=tile["GROUP_M"], **shape)

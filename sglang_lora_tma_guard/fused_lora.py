@@ -41,11 +41,17 @@ MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 NAME = "invoke_fused_moe_kernel"
 MAX_RANK = 64
 """Above this rank the epilogue's tiles would not fit in registers: the hooks' expand runs instead."""
-WIDE_TILES = ((32, 16, {"num_stages": 2}), (MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2}))
+WIDE_TILES = ((32, 16, {"num_stages": 2}), (MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2, "LORA_AHEAD": 3}))
 """The wide down GEMM's tile by the adapters' max rank: (up to that rank, column tiles a program, changes to
 SGLang's tile), the fastest variants on the GLM-5.1 TP8 down GEMM (``benchmarks/down_gemm.py``,
 ``benchmarks/results/lora_moe/late-b/``): with each adapter's B tile loaded just before its GEMM, SGLang's
-128-wide columns up to rank 32; past it the epilogue's tiles crowd the accumulator's registers, 64-wide columns.
+128-wide columns up to rank 32; past it the epilogue's tiles crowd the accumulator's registers, 64-wide columns,
+whose two B tiles are copied a column tile ahead (``LORA_AHEAD=3``, ``moe_gemm._lora_add_always``). Over SGLang's
+list ordered by adapter, one H100 (``benchmarks/results/lora_moe/b-ahead/down/``), ms: ranks 8/16/32/64 0.844
+against 0.983 at 4096 tokens, 0.686 / 0.787 at 2048; every adapter of rank 64 0.894 / 1.017, 0.728 / 0.830. At rank
+32 the copies take the 128-wide tile to one program an SM (139,264 bytes of shared memory): 0.837 against 0.676
+at 4096 tokens, 0.731 at 64 wide, so not there. At K 512 and 640 (``e513-n512``, ``e80-n640``, this table too) the
+whole call as fast or 6-12% faster; at three K tiles slower (:data:`WIDE_TILES_BY_K_TILES`).
 Other K tile counts measured to want other tiles: :data:`WIDE_TILES_BY_K_TILES`. Where two pipeline stages of
 every K tile would not fit the GPU's shared memory, the K steps as the pipelined loop (:func:`wide_tile`)."""
 WIDE_TILES_BY_K_TILES = {3: ((16, 16, {"K_LOOP": 1}), (MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2})),
@@ -59,7 +65,9 @@ alone on an H100; no column tiles a program: the narrow GEMM (one column tile a 
   compiled kernel, its rank tile 16 too; rank 32 not measured with the loop). 64-wide columns against 128-wide
   unrolled, ranks 8–32 (``.../fused-qwen3-tp2/``): 0.37–0.40 against 0.41–0.52 at 8192 tokens, 0.24–0.25 against
   0.26–0.33 at 4096, 0.18–0.19 against 0.20–0.23 at 2048; with ranks up to 64, 0.42 against 0.47 for the loop at
-  8192.
+  8192. The B tiles copied a column tile ahead (``LORA_AHEAD=3``, as in :data:`WIDE_TILES`) slower past rank 16:
+  the whole call 0.803 against 0.688 ms at 4096 tokens with ranks 8/16/32/64, 0.862 / 0.750 all 64
+  (``.../b-ahead/qwen3-tp2-*``).
 - Six (tp 1, K 768): narrow. Six K steps a column tile pay for a program's prologue (the block's routes, scales,
   adapters and ranks), and the narrow grid has 16 times the wide one's programs: at 2048 tokens the wide one's few
   hundred leave SMs idle. Over SGLang's list ordered by adapter, the down side (quantize + shrink + GEMM), narrow
@@ -100,16 +108,22 @@ fused against unfused (SGLang's down GEMM + the fast down hook), ms:
 Other widths are not measured.
 """
 FASTER_FROM_ROUTES_ON: dict[str, dict[int, tuple[tuple[int, int], ...]]] = {
-    "NVIDIA H100 80GB HBM3": {256: ((8, 32768), (16, 16384), (32, 8192)), 384: ((64, 32768),)}}
+    "NVIDIA H100 80GB HBM3": {256: ((8, 32768), (16, 16384), (32, 8192), (64, 32768)), 384: ((64, 32768),)}}
 """A GPU's own rows of :data:`FASTER_FROM_ROUTES` at a K (by its name, as ``tuning`` knows it), where its unfused
 side pays earlier. The H100 SXM at K 256 (GLM-5.1 TP8), one machine (``benchmarks/results/lora_moe/h100-k256/``):
 rank 32 from 1024 tokens, the down side fused against unfused 0.44 / 0.48 ms at 1024 tokens, 0.57 / 0.60 at 2048
 (three tables), 0.70 / 0.95 at 4096, and the whole hooked call 1.07 against 1.12 ms at 1024 tokens (two tables),
 1.31 / 1.35 at 2048 (three), 1.69 / 1.95 at 4096 (one); rank 16 from 2048 tokens as on the H200 (0.49 / 0.52 ms
 there, the whole call 1.10 / 1.13; at 1024 a tie, 0.883 / 0.885); rank 8 from 4096 as on the H200 (at 2048 0.51 /
-0.51). Past rank 32 the split (:data:`SPLIT_FROM_ROUTES_ON`): with ranks 8/16/32/64 it beats the whole launch (2.70
-against 2.92 ms at 8192 tokens, 1.41 / 1.57 at 2048); only with every adapter of rank 64, at 8192 tokens, is the
-whole launch faster (3.27 against 3.37), and the pool's max rank does not tell the two batches apart.
+0.51). Past rank 32 the whole launch from 4096 tokens, below it the split (:data:`SPLIT_FROM_ROUTES_ON`), since the
+64-wide tile's B tiles are copied a column tile ahead (:data:`WIDE_TILES`' ``LORA_AHEAD=3``; one more H100,
+``benchmarks/results/lora_moe/b-ahead/``, ``shipped/`` and ``kernels-ahead3/``), the whole call whole / split / the
+hooks, ms: ranks 8/16/32/64 1.884-1.885 / 1.935-1.937 / 1.987-2.000 at 4096 tokens (two tables), 2.776 / 2.699 /
+3.113 at 8192, 1.468-1.469 / 1.410-1.413 / 1.450-1.451 at 2048; every adapter of rank 64 2.257-2.258 /
+2.394-2.395 / 2.476-2.478 at 4096, 3.127 / 3.415 / 3.519 at 8192, 1.796-1.797 / 1.831 / 1.876-1.878 at 2048. The
+pool's max rank does not tell the two batches apart: each side taken where its worse batch is nearer its floor
+(whole from 4096: 1.23 and 1.17 of the fused floor at 4096, 1.16 and 1.12 at 8192; split at 2048: 1.28 and 1.22).
+Before it the split beat the whole launch at every size with ranks 8/16/32/64 (``.../h100-k256/``).
 
 The H100 SXM at K 384 (Qwen3-30B-A3B tp 2), every rank from 4096 tokens (the shared row: up to rank 32 from 8192).
 The whole hooked call, the whole launch against the hooks, two tables of one machine

@@ -874,10 +874,12 @@ def _lora_a_strides(shrink: LoRAShrink | None) -> tuple[int, int, int, int]:
 def wide_shared_bytes(tile: dict, k_tiles: int, max_rank: int, weight_bytes: int) -> int:
     """At least the shared memory :func:`_moe_gemm_wide_kernel` takes with ``tile`` (held to Triton's own sm_90
     allocation in tests/test_kernel_codegen.py): each pipeline stage holds every K tile of the block's A rows and of
-    the weights (one with ``K_LOOP``), and the LoRA epilogue's 16-bit dot operands take at most twice theirs."""
-    m, n, k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    the weights (one with ``K_LOOP``), and the LoRA epilogue's 16-bit dot operands take at most twice theirs; with
+    ``LORA_AHEAD=3`` each stage also holds the two B tiles copied a column tile ahead."""
+    m, n, k, r = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"], rank_tile(max_rank)
     held = 1 if tile.get("K_LOOP") else k_tiles
-    return tile["num_stages"] * held * (m + n) * k * weight_bytes + 2 * 2 * (m + n) * rank_tile(max_rank)
+    ahead = tile["num_stages"] * 2 * n * r * 2 if tile.get("LORA_AHEAD") == 3 else 0
+    return tile["num_stages"] * held * (m + n) * k * weight_bytes + 2 * 2 * (m + n) * r + ahead
 
 
 def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -241,9 +241,10 @@ def test_a_profile_says_where_the_host_paced_the_gpu(tmp_path):
 
 def test_the_fused_policy_is_read_from_down_gemm_tables_at_the_tile_the_package_places(capsys):
     """``benchmarks/fused_policy.py`` on H100 tables of GLM-5.1 TP8 (K 256) and Qwen3-30B-A3B tp2 (K 384): the fused
-    side at the tile the package places (two K tiles: 128-wide columns unrolled up to rank 32; three: the K steps a
-    loop up to rank 16, 64-wide columns unrolled past it), rows of a tile it no longer places left out, and the
-    thresholds from the largest batch down while each batch pays by the margin."""
+    side at the tile the package places (two K tiles: 128-wide columns unrolled up to rank 32, 64-wide columns with
+    the B tiles copied ahead past it; three: the K steps a loop up to rank 16, 64-wide columns unrolled past it), rows
+    of a tile it no longer places left out, and the thresholds from the largest batch down while each batch pays by
+    the margin."""
     from benchmarks import fused_policy
 
     results = REPO / "benchmarks" / "results" / "lora_moe"
@@ -259,12 +260,22 @@ def test_the_fused_policy_is_read_from_down_gemm_tables_at_the_tile_the_package_
         assert fused_policy.placed_ms(by_batch[batch]) == pytest.approx(at(by_batch[batch], tile)), batch
 
     table, lines = fused_policy.policy(short, margin=0.05)
-    assert len(lines) == len(short) == 8
-    assert table == {256: ((16, 32768), (64, 32768)), 384: ((16, 32768), (64, 32768))}
-    # GLM-5.1 at ranks up to 64 pays 7.7% at 4096 tokens: not by 10%, so from 8192 there.
-    assert fused_policy.policy(short, margin=0.1)[0] == {256: ((16, 32768), (64, 65536)), 384: ((16, 32768), (64, 32768))}
-    assert fused_policy.main([str(results / "k-loop" / "short-k" / "down_gemm.json")]) == 0
-    assert "FASTER_FROM_ROUTES = {256: ((16, 32768), (64, 32768)), 384: " in capsys.readouterr().out
+    # GLM-5.1's rows past rank 32 were timed before the B tiles went ahead: left out.
+    assert len(short) == 8 and [line[:3] for line in lines if line[0] == "glm51-fp8-tp8"] == [
+        ["glm51-fp8-tp8", "r16", 8192], ["glm51-fp8-tp8", "r16", 4096]]
+    assert table == {256: ((16, 32768),), 384: ((16, 32768), (64, 32768))}
+
+    # The sweep of the B tiles ahead (its own rows, the same launches): the placed tile's rows read from it.
+    ahead = json.loads((results / "b-ahead" / "down" / "down_gemm.json").read_text())["rows"]
+    mixed = next(r for r in ahead if (r["ranks"], r["tokens"]) == ("mixed", 4096))
+    assert fused_policy.placed_ms(mixed) == pytest.approx(
+        mixed["ms quantize"] + mixed["ms shrink"] + mixed["ms order by adapter"]
+        + mixed[fused_policy.SWEEP + "N_TILES=16, BLOCK_N=64, num_stages=2, LORA_AHEAD=3"])
+    # Ranks up to 64 pay 12.6% at 4096 tokens, not at 2048; rank 32 pays 7.0% at 2048, not by 10%.
+    assert fused_policy.policy(ahead, margin=0.05)[0] == {256: ((32, 16384), (64, 32768))}
+    assert fused_policy.policy(ahead, margin=0.1)[0] == {256: ((32, 32768), (64, 32768))}
+    assert fused_policy.main([str(results / "b-ahead" / "down" / "down_gemm.json")]) == 0
+    assert "FASTER_FROM_ROUTES = {256: ((32, 16384), (64, 32768))}" in capsys.readouterr().out
 
     # The tables from before the K loop: their rows at a tile no longer placed say nothing.
     older = [row for path in sorted(results.glob("fused-qwen3*/**/down_gemm.json"))
