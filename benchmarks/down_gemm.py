@@ -59,13 +59,12 @@ enough that the prologue is a small part (Qwen3-30B-A3B tp 1's six K tiles)."""
 _BEHIND = [{"num_stages": 2}, {"BLOCK_N": 64, "num_stages": 2}, {"num_stages": 2, "num_warps": 8},
            {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8}, {"num_stages": 3}, {"num_stages": 3, "num_warps": 8}]
 AHEAD = [*((16, c) for c in _BEHIND), *((16, {**c, "LORA_AHEAD": 3}) for c in _BEHIND[:4]),
-         *((16, {**c, "LORA_AHEAD": 1}) for c in _BEHIND), *((16, {**c, "LORA_AHEAD": 2}) for c in _BEHIND[:2])]
-"""Variants whose column tile's LoRA B tiles are loaded before its K steps (``LORA_AHEAD`` 1; 2: not zeroed past the
-rank, whose ranks of ``t`` are zero; 3: their GEMMs unconditional, the tiles copied a column tile ahead), against the
-same tiles loading them after (8 warps: half the registers a thread for the tiles in flight; 3 stages: the next tile's
-K steps in flight too, one program an SM); timed over SGLang's list
-ordered by adapter only, under their own name (``AHEAD_ROWS``, out of the ordered rows ``thresholds`` times), each with
-``LORA_AHEAD`` checked bit for bit against its tile without."""
+         *((16, {**c, "LORA_AHEAD": 1}) for c in _BEHIND)]
+"""Variants whose column tile's LoRA B tiles are loaded before its K steps (``LORA_AHEAD`` 1; 3: their GEMMs
+unconditional, the tiles copied a column tile ahead), against the same tiles loading them after (8 warps: half the
+registers a thread for the tiles in flight; 3 stages: the next tile's K steps in flight too, one program an SM); timed
+over SGLang's list ordered by adapter only, under their own name (``AHEAD_ROWS``, out of the ordered rows
+``thresholds`` times), each with ``LORA_AHEAD`` checked bit for bit against its tile without."""
 AHEAD_ROWS = "B tiles ahead sweep, ordered: wide + LoRA, "
 ORDERED = WIDE[1:6] + [(16, {"BLOCK_N": 64, "num_stages": 2, "LORA_AHEAD": 3})] + K_LOOPS + NARROW
 """The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks);

@@ -224,8 +224,8 @@ def _moe_gemm_wide_kernel(
     FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, LORA: tl.constexpr, B_TMA: tl.constexpr,
     RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
     K_LOOP: tl.constexpr = 0,  # 1: the K steps a loop, the one pipelined, a stage one K tile (for a long K)
-    LORA_AHEAD: tl.constexpr = 0,  # 1: a column tile's B tiles loaded before its K steps; 2 (benchmarks only, not
-    # NaN-safe): and not zeroed past each rank; 3: as 1, their GEMMs unconditional, so pipelined with the column loop
+    LORA_AHEAD: tl.constexpr = 0,  # 1: a column tile's B tiles loaded before its K steps; 3: and their GEMMs
+    # unconditional, so that Triton pipelines them with the column loop
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -305,8 +305,7 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if LORA and LORA_AHEAD:
         first_b, last_b = _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok,
-                                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE,
-                                          LORA_AHEAD != 2)
+                                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     if K_LOOP:
         for kt in range(K_TILES):
             acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
@@ -473,28 +472,24 @@ def _scaled_dot(acc, a, b, a_scale, s_ptrs, ONE_SCALE: tl.constexpr):
 
 @triton.jit
 def _lora_b_tile(lora_b_ptr, adapter, rank, expert, offs_n, n_ok, stride_ll, stride_le, stride_ln, stride_lr,
-                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr, ZERO_PAST_RANK: tl.constexpr = True):
+                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
     """Adapter ``adapter``'s B tile (its ranks x the tile's columns), zero from its ``rank`` on; ranks all past
-    ``rank`` read nothing. Without ``ZERO_PAST_RANK`` the ranks between ``rank`` and its granule keep what the buffer
-    holds there (a caller whose ranks are zero there)."""
+    ``rank`` read nothing."""
     offs_r = tl.arange(0, BLOCK_R)
     b = tl.load(_lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le) + offs_n[None, :] * stride_ln
                 + offs_r[:, None] * stride_lr,
                 mask=(offs_r[:, None] < _granule(rank, RANK_GRANULE)) & n_ok[None, :], other=0.0)
-    if ZERO_PAST_RANK:
-        b = tl.where(offs_r[:, None] < rank, b, 0.0)
-    return b
+    return tl.where(offs_r[:, None] < rank, b, 0.0)
 
 
 @triton.jit
 def _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok, stride_ll, stride_le,
-                    stride_ln, stride_lr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr,
-                    ZERO_PAST_RANK: tl.constexpr = True):
+                    stride_ln, stride_lr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
     """The B tiles of a block's lowest and highest adapter (:func:`_lora_slots`); one of rank 0 reads nothing."""
     first_b = _lora_b_tile(lora_b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
-                           stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE, ZERO_PAST_RANK)
+                           stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     last_b = _lora_b_tile(lora_b_ptr, tl.where(last_rank > 0, last, 0), last_rank, expert, offs_n, n_ok,
-                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE, ZERO_PAST_RANK)
+                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
     return first_b, last_b
 
 
