@@ -210,8 +210,8 @@ CONFIGURATIONS = {
     "fused down GEMM": lambda: fused_down(),
     "fused down GEMM, exact rank masks": lambda: fused_down(RANK_GRANULE=1),
     "wide fused down GEMM, rank 16": lambda: wide_down(),
-    "wide fused down GEMM, rank 64": lambda: wide_down(BLOCK_N=64, N_TILES=16, BLOCK_R=64),
-    # Each column tile's B tiles loaded before its K steps (LORA_AHEAD; off as placed, in benchmarks/down_gemm.py's sweep).
+    "wide fused down GEMM, rank 64": lambda: wide_down(BLOCK_N=64, N_TILES=16, BLOCK_R=64, LORA_AHEAD=3),  # as placed
+    # Each column tile's B tiles loaded before its K steps (LORA_AHEAD=1: benchmarks/down_gemm.py's sweep, not placed).
     "wide fused down GEMM, rank 32, B tiles ahead": lambda: wide_down(BLOCK_R=32, LORA_AHEAD=1),
     "wide fused down GEMM, rank 64, B tiles ahead": lambda: wide_down(BLOCK_N=64, N_TILES=16, BLOCK_R=64, LORA_AHEAD=1),
     # and their GEMMs unconditional (LORA_AHEAD=3): the B tiles pipelined with the column loop.

@@ -50,8 +50,8 @@ whose two B tiles are copied a column tile ahead (``LORA_AHEAD=3``, ``moe_gemm._
 list ordered by adapter, one H100 (``benchmarks/results/lora_moe/b-ahead/down/``), ms: ranks 8/16/32/64 0.844
 against 0.983 at 4096 tokens, 0.686 / 0.787 at 2048; every adapter of rank 64 0.894 / 1.017, 0.728 / 0.830. At rank
 32 the copies take the 128-wide tile to one program an SM (139,264 bytes of shared memory): 0.837 against 0.676
-at 4096 tokens, 0.731 at 64 wide, so not there. At K 512 and 640 (``e513-n512``, ``e80-n640``, this table too) the
-whole call as fast or 6-12% faster; at three K tiles slower (:data:`WIDE_TILES_BY_K_TILES`).
+at 4096 tokens, 0.731 at 64 wide, so not there. At K 512 and 640 (``e513-n512``, ``e80-n640``; ``.../b-ahead/k4-k5-*``)
+the whole call within 1% or 6-12% faster; at three K tiles slower (:data:`WIDE_TILES_BY_K_TILES`).
 Other K tile counts measured to want other tiles: :data:`WIDE_TILES_BY_K_TILES`. Where two pipeline stages of
 every K tile would not fit the GPU's shared memory, the K steps as the pipelined loop (:func:`wide_tile`)."""
 WIDE_TILES_BY_K_TILES = {3: ((16, 16, {"K_LOOP": 1}), (MAX_RANK, 16, {"BLOCK_N": 64, "num_stages": 2})),
