@@ -370,11 +370,17 @@ def epilogue_rank(routes: int, max_rank: int, k: int) -> int | None:
     return rank if not torch.compiler.is_compiling() and PATCH.status().working else None  # Dynamo never reads the lock
 
 
+def faster_from_routes(gpu: str) -> dict[int, tuple[tuple[int, int], ...]]:
+    """:data:`FASTER_FROM_ROUTES` on ``gpu`` (a name as ``tuning`` knows it): its own rows
+    (:data:`FASTER_FROM_ROUTES_ON`) in place of the shared ones at their K."""
+    return {**FASTER_FROM_ROUTES, **FASTER_FROM_ROUTES_ON.get(gpu, {})}
+
+
 def _placed(routes: int, max_rank: int, k: int) -> int | None:
     from .tuning import _gpu
 
     gpu = _gpu()
-    rows = FASTER_FROM_ROUTES_ON.get(gpu, {}).get(k) or FASTER_FROM_ROUTES.get(k, ())
+    rows = faster_from_routes(gpu).get(k, ())
     from_routes = next((n for rank, n in rows if max_rank <= rank), None)
     if from_routes is not None and routes >= from_routes:
         return max_rank

@@ -399,8 +399,10 @@ class PathStatus:
         if self.mode is None:
             return "SGLang's own LoRA MoE hooks"
         if self.mode == Mode.FAST:
+            from . import tuning  # torch: only where the fast path is on
+
             widths_by_rank: dict[int, list[str]] = {}
-            for k, entries in sorted(fused_lora.FASTER_FROM_ROUTES.items()):
+            for k, entries in sorted(fused_lora.faster_from_routes(tuning._gpu()).items()):
                 widths_by_rank.setdefault(max(rank for rank, _ in entries), []).append(str(k))
             where = ", ".join(f"up to rank {rank} at a down GEMM K of {_either(widths)}"
                               for rank, widths in sorted(widths_by_rank.items()))

@@ -946,6 +946,14 @@ def test_checks_fast_path_line_names_the_down_gemm_widths_the_fused_launch_is_pl
             ({256: ((16, 1),)}, "up to rank 16 at a down GEMM K of 256")):
         monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES", table)
         assert fast.describe().endswith(f"large block-fp8 batches {where})")
+    # A GPU's own rows in place of the table's at their K, on that GPU only (an H100 at K 256 takes rank 64).
+    from sglang_lora_tma_guard import tuning
+
+    monkeypatch.setattr(fused_lora, "FASTER_FROM_ROUTES_ON", {"GPU A": {256: ((64, 2),)}})
+    monkeypatch.setattr(tuning, "_gpu", lambda: "GPU A")
+    assert fast.describe().endswith("large block-fp8 batches up to rank 64 at a down GEMM K of 256)")
+    monkeypatch.setattr(tuning, "_gpu", lambda: "GPU B")
+    assert fast.describe().endswith("large block-fp8 batches up to rank 16 at a down GEMM K of 256)")
     from sglang_lora_tma_guard import fused_act
 
     assert fused_act.BY_FAST and "the gate-up expand in the SiLU activation;" in fast.describe()
