@@ -66,6 +66,11 @@ registers a thread for the tiles in flight; 3 stages: the next tile's K steps in
 over SGLang's list ordered by adapter only, under their own name (``AHEAD_ROWS``, out of the ordered rows
 ``thresholds`` times), each with ``LORA_AHEAD`` checked bit for bit against its tile without."""
 AHEAD_ROWS = "B tiles ahead sweep, ordered: wide + LoRA, "
+ONCE = [(16, {"num_stages": 2, "A_ONCE": 1}), (16, {"BLOCK_N": 64, "num_stages": 2, "A_ONCE": 1}),
+        (16, {"num_stages": 2, "LORA_AHEAD": 3, "A_ONCE": 1}),
+        (16, {"BLOCK_N": 64, "num_stages": 2, "LORA_AHEAD": 3, "A_ONCE": 1})]
+"""Tiles of ``AHEAD`` reading the block's two A tiles once for all its column tiles (``A_ONCE``; two K tiles only:
+GLM-5.1 and DeepSeek-V3 at TP8), in the same sweep's rows, each checked bit for bit against its tile without."""
 ORDERED = WIDE[1:6] + [(16, {"BLOCK_N": 64, "num_stages": 2, "LORA_AHEAD": 3})] + K_LOOPS + NARROW
 """The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks);
 one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared memory; 64-wide columns with the
@@ -130,6 +135,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
           f"shuffled {adapters_per_block(shuffled, slots, topk, block_m):.2f}, "
           f"SGLang's ordered by adapter {adapters_per_block(ordered, slots, topk, block_m):.2f}", flush=True)
 
+    two_k_tiles = moe_gemm.cdiv(act.shape[1], base_tile["BLOCK_K"]) == 2  # what A_ONCE holds
+
     def own(epilogue=None, blocks=None, tma=use_tma, n_tiles=0, **change):
         tile = {**base_tile, **change}
         sorted_ids, expert_ids, post = blocks or lists[tile["BLOCK_M"]]
@@ -171,7 +178,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
         "order by adapter": lambda: moe_gemm.order_by_adapter(*real, slots, topk, block_m, num_slots),
         **{f"SGLang's list ordered: wide + LoRA, {label(n, c)}": (
             lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in ORDERED},
-        **{AHEAD_ROWS + label(n, c): (lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c)) for n, c in AHEAD},
+        **{AHEAD_ROWS + label(n, c): (lambda n=n, c=c: own(lora, blocks=ordered, n_tiles=n, **c))
+           for n, c in AHEAD + (ONCE if two_k_tiles else [])},
         **{f"shuffled: wide + LoRA, {label(n, c)}": (lambda n=n, c=c: own(lora, blocks=shuffled, n_tiles=n, **c))
            for n, c in SHUFFLED},
     }
@@ -200,6 +208,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
                          "k loop bit for bit"),
            **bit_for_bit([(n, c) for n, c in AHEAD if "LORA_AHEAD" in c], AHEAD_ROWS, {"LORA_AHEAD": 0},
                          "ahead bit for bit"),
+           **bit_for_bit(ONCE, AHEAD_ROWS, {"A_ONCE": 0}, "a once bit for bit"),
            **{f"ms {p}": t for p, t in times.items()}}
     row["ms fast"] = times["sglang"] + times["hook"]
     for kind, prefix, ordering in (("", "wide + LoRA", 0.0),

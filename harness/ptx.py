@@ -216,6 +216,8 @@ CONFIGURATIONS = {
     "wide fused down GEMM, rank 64, B tiles ahead": lambda: wide_down(BLOCK_N=64, N_TILES=16, BLOCK_R=64, LORA_AHEAD=1),
     # and their GEMMs unconditional (LORA_AHEAD=3): the B tiles pipelined with the column loop.
     "wide fused down GEMM, rank 32, B tiles pipelined": lambda: wide_down(BLOCK_R=32, LORA_AHEAD=3),
+    # The block's two A tiles read once for all its column tiles (A_ONCE; benchmarks/down_gemm.py's sweep, not placed).
+    "wide fused down GEMM, rank 64, A once": lambda: wide_down(BLOCK_N=64, N_TILES=16, BLOCK_R=64, LORA_AHEAD=3, A_ONCE=1),
     "wide fused down GEMM, K loop": lambda: wide_down(K_TILES=6, K_LOOP=1, num_stages=3),  # Qwen3-30B-A3B tp1's K
     "wide fused down GEMM, K unrolled in one stage": lambda: wide_down(K_TILES=6, num_stages=1),  # as placed before
     # As placed on an H100/H200 for SGLang's block-fp8 down GEMMs: GLM-5.1 TP8 (K 256), Qwen3-30B-A3B at tp 1, 2, 4

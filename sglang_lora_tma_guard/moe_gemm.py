@@ -226,6 +226,7 @@ def _moe_gemm_wide_kernel(
     K_LOOP: tl.constexpr = 0,  # 1: the K steps a loop, the one pipelined, a stage one K tile (for a long K)
     LORA_AHEAD: tl.constexpr = 0,  # 1: a column tile's B tiles loaded before its K steps; 3: and their GEMMs
     # unconditional, so that Triton pipelines them with the column loop
+    A_ONCE: tl.constexpr = 0,  # 1 (two K tiles, unrolled): the block's A tiles read once for all its column tiles
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -267,27 +268,35 @@ def _moe_gemm_wide_kernel(
         routed = route_ok
     if not LORA:
         slot, wanted, ranks_t, first, first_rank, last, last_rank = route_ok, route_ok, route_ok, 0, 0, 0, 0
+    if A_ONCE:  # else each column tile's K steps copy them again (from L2), a pipeline stage each
+        tl.static_assert(K_TILES == 2 and not K_LOOP, "A_ONCE holds two unrolled K tiles")
+        a0, s0 = _a_tile(a_ptrs, as_ptrs, route_ok, offs_k, 0, K, FP8, EVEN_K)
+        a1, s1 = _a_tile(a_ptrs + BLOCK_K * stride_ak, as_ptrs + stride_ask, route_ok, offs_k, BLOCK_K, K, FP8, EVEN_K)
+    else:
+        a0, s0, a1, s1 = route_ok, route_ok, route_ok, route_ok  # unread
     # One column loop, the LoRA epilogue inside it (its B tiles per column tile; a block whose rows hold
     # adapters between its lowest and highest loops over them too). Measured on an H200 at rank 16 this
     # beats a loop split in two by that case and an epilogue in chunks of ranks.
     for j in range(N_TILES):
-        _wide_tile(first_tile + j, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr,
+        _wide_tile(first_tile + j, routes, route_ok, expert, a_ptrs, as_ptrs, a0, s0, a1, s1, routed, offs_k, b_ptr,
+                   b_desc, c_ptr,
                    b_scale_ptr, lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last, last_rank,
                    num_slots, N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                    stride_se, stride_sn, stride_sk, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
-                   EVEN_K, K_LOOP, LORA_AHEAD)
+                   EVEN_K, K_LOOP, LORA_AHEAD, A_ONCE)
 
 
 @triton.jit
-def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, b_ptr, b_desc, c_ptr, b_scale_ptr,
+def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, a0, s0, a1, s1, routed, offs_k, b_ptr, b_desc, c_ptr,
+               b_scale_ptr,
                lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last, last_rank, num_slots,
                N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
                stride_sk, stride_ll, stride_le, stride_ln, stride_lr,
                SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
                LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
-               K_LOOP: tl.constexpr, LORA_AHEAD: tl.constexpr):
+               K_LOOP: tl.constexpr, LORA_AHEAD: tl.constexpr, A_ONCE: tl.constexpr):
     """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored. The same K steps in
     the same order either way: unrolled (``K_LOOP`` 0; the column loop is then the one Triton pipelines, each stage
     holding every K tile) or a loop (the one pipelined, a stage one K tile). With ``LORA_AHEAD`` the epilogue's B tiles
@@ -312,6 +321,12 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, routed, offs_k, 
                           as_ptrs + kt * stride_ask, s_ptrs + kt * stride_sk, route_ok, offs_k, expert,
                           tile * BLOCK_N, kt * BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K,
                           SCALE_BLOCK_N % BLOCK_N == 0)
+    elif A_ONCE:  # the block's two A tiles and their row scales as the kernel read them
+        acc = _k_step_given_a(acc, a0, s0, b_ptrs, b_desc, s_ptrs, offs_k, expert, tile * BLOCK_N, 0, K, BLOCK_N,
+                              BLOCK_K, FP8, B_TMA, EVEN_K, SCALE_BLOCK_N % BLOCK_N == 0)
+        acc = _k_step_given_a(acc, a1, s1, b_ptrs + BLOCK_K * stride_bk, b_desc, s_ptrs + stride_sk, offs_k, expert,
+                              tile * BLOCK_N, BLOCK_K, K, BLOCK_N, BLOCK_K, FP8, B_TMA, EVEN_K,
+                              SCALE_BLOCK_N % BLOCK_N == 0)
     else:
         for kt in tl.static_range(K_TILES):
             acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
@@ -377,19 +392,54 @@ def _k_step_a(acc, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok, offs_k, ex
     if EVEN_K:
         a = tl.load(a_ptrs, mask=route_ok[:, None], other=0.0)
     else:
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=route_ok[:, None] & k_ok[None, :], other=0.0)
-    if B_TMA:
-        b = b_desc.load([expert.to(tl.int32), first_n, k0]).reshape(BLOCK_N, BLOCK_K).T
-    elif EVEN_K:
-        b = tl.load(b_ptrs)
-    else:
-        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        a = tl.load(a_ptrs, mask=route_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+    b = _b_tile(b_ptrs, b_desc, offs_k, expert, first_n, k0, K, BLOCK_N, BLOCK_K, B_TMA, EVEN_K)
     if FP8:
         acc = _scaled_dot(acc, a, b, tl.load(as_ptrs, mask=route_ok, other=0.0), s_ptrs, ONE_SCALE)
     else:
         acc = tl.dot(a, b, acc=acc)
     return acc, a
+
+
+@triton.jit
+def _a_tile(a_ptrs, as_ptrs, route_ok, offs_k, k0, K, FP8: tl.constexpr, EVEN_K: tl.constexpr):
+    """The block's A tile from ``k0`` (zero past K and in rows of no route) and, with FP8, its row scales."""
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=route_ok[:, None], other=0.0)
+    else:
+        a = tl.load(a_ptrs, mask=route_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+    if FP8:
+        scale = tl.load(as_ptrs, mask=route_ok, other=0.0)
+    else:
+        scale = route_ok  # unread
+    return a, scale
+
+
+@triton.jit
+def _k_step_given_a(acc, a, a_scale, b_ptrs, b_desc, s_ptrs, offs_k, expert, first_n, k0, K, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+                    ONE_SCALE: tl.constexpr):
+    """:func:`_k_step` with the A tile and its row scales already read (:func:`_a_tile`)."""
+    b = _b_tile(b_ptrs, b_desc, offs_k, expert, first_n, k0, K, BLOCK_N, BLOCK_K, B_TMA, EVEN_K)
+    if FP8:
+        acc = _scaled_dot(acc, a, b, a_scale, s_ptrs, ONE_SCALE)
+    else:
+        acc = tl.dot(a, b, acc=acc)
+    return acc
+
+
+@triton.jit
+def _b_tile(b_ptrs, b_desc, offs_k, expert, first_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            B_TMA: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight tile from ``k0`` (through ``b_desc`` with B_TMA, which fills what lies past N or K with zeros;
+    else from ``b_ptrs``, zero past K)."""
+    if B_TMA:
+        b = b_desc.load([expert.to(tl.int32), first_n, k0]).reshape(BLOCK_N, BLOCK_K).T
+    elif EVEN_K:
+        b = tl.load(b_ptrs)
+    else:
+        b = tl.load(b_ptrs, mask=(offs_k < K - k0)[:, None], other=0.0)
+    return b
 
 
 @triton.jit

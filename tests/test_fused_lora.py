@@ -78,16 +78,16 @@ def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
 
 
 def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, n_tiles: int = 0,
-        order=None, k_loop: int = 0, lora_ahead: int = 0):
+        order=None, k_loop: int = 0, lora_ahead: int = 0, a_once: int = 0):
     """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``, its K steps
-    unrolled or (``k_loop``) a loop, its B tiles loaded before them with ``lora_ahead``; ``order``: a change to the
-    list first."""
+    unrolled or (``k_loop``) a loop, its B tiles loaded before them with ``lora_ahead``, its A tiles read once for all
+    its column tiles with ``a_once``; ``order``: a change to the list first."""
     sorted_ids, expert_ids, post_padded = align_block_size(inputs["topk_ids"], block_m, EXPERTS)
     if order is not None:
         sorted_ids, expert_ids, post_padded = order((sorted_ids, expert_ids, post_padded), block_m)
     out = torch.full((TOKENS * TOPK, n), float("nan"), dtype=torch.float16)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if fp8 else block_k, GROUP_M=2, num_warps=4,
-                num_stages=2, **({"K_LOOP": k_loop, "LORA_AHEAD": lora_ahead} if n_tiles else {}))
+                num_stages=2, **({"K_LOOP": k_loop, "LORA_AHEAD": lora_ahead, "A_ONCE": a_once} if n_tiles else {}))
     moe_gemm.moe_gemm(inputs["a"], inputs["w"], out, a_scale=inputs["a_scale"], w_scale=inputs["w_scale"], bias=None,
                       topk_weights=inputs["weights"].reshape(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                       num_post_padded=post_padded, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
@@ -145,6 +145,21 @@ def test_the_wide_epilogues_b_tiles_loaded_ahead_give_its_output_bit_for_bit(k_l
     assert not ahead.isnan().any()
     assert torch.equal(ahead, behind)
     assert float((ahead.float() - expected).abs().max() / expected.abs().max()) < TOLERANCE
+
+
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fp16", "block-fp8"])
+def test_the_wide_gemm_reading_its_a_tiles_once_gives_its_output_bit_for_bit(fp8):
+    """``A_ONCE``: a program's two K tiles of A (and with block fp8 their row scales) read once for all its column
+    tiles instead of once a column tile: the same GEMMs of the same tiles in the same order, so the same output to
+    the bit (a K past its last full tile, the epilogue's mixed ranks, with its B tiles behind and pipelined)."""
+    n, k = (200, 56) if not fp8 else (72, 200)  # two K tiles: of 32 (fp16), of 128 (block fp8)
+    inputs, expected = make(n, k, fp8, False)
+    for lora_ahead in (0, 3):
+        again = run(inputs, n, 16, 32, 32, fp8, n_tiles=3, lora_ahead=lora_ahead)
+        once = run(inputs, n, 16, 32, 32, fp8, n_tiles=3, lora_ahead=lora_ahead, a_once=1)
+        assert not once.isnan().any()
+        assert torch.equal(once, again), lora_ahead
+        assert float((once.float() - expected).abs().max() / expected.abs().max()) < TOLERANCE
 
 
 def order_by_adapter(route_list, block_m: int, token_lora):

@@ -26,7 +26,7 @@ VECTOR = ("expand, one rank tile", "expand, rank tiles of 16", "shrink", "one ke
           # interpreter, which runs every other test, accepts kernels its compiler rejects
           "wide fused down GEMM, rank 16", "wide fused down GEMM, rank 64", "wide fused down GEMM, K loop",
           "wide fused down GEMM, rank 32, B tiles ahead", "wide fused down GEMM, rank 64, B tiles ahead",
-          "wide fused down GEMM, rank 32, B tiles pipelined",
+          "wide fused down GEMM, rank 32, B tiles pipelined", "wide fused down GEMM, rank 64, A once",
           "expand and activation", "expand and activation, block by block, rows a tile ahead")
 CONTROLS = ("expand, one rank tile, exact rank masks", "expand, rank tiles of 16, exact rank masks",
             "fused down GEMM, exact rank masks")
@@ -81,6 +81,19 @@ def test_b_tiles_feeding_unconditional_gemms_are_copied_a_column_tile_ahead(acce
     pieces = 2 * (32 * 128 * 2 // 16 // 128)
     assert pipelined["ld.global.v4.b32"] <= ahead["ld.global.v4.b32"] - pieces, (ahead, pipelined)
     assert pipelined["cp.async.cg.shared.global"] >= ahead["cp.async.cg.shared.global"] + 2 * pieces, (ahead, pipelined)
+
+
+def test_a_tiles_read_once_leave_the_column_loops_pipeline():
+    """``A_ONCE``: the block's two K tiles of A (64 x 128 fp8 each) read once before the column loop instead of
+    copied again in each pipeline stage of it: 16,384 bytes less shared memory a program at two stages, and each
+    column tile's copies only the weights' (4 16-byte pieces a thread of an A tile fewer, in the loop and its
+    prologue). The rank-64 tile as placed, and with its A once."""
+    built = compile_sm90(["wide fused down GEMM, rank 64", "wide fused down GEMM, rank 64, A once"])
+    again, once = built["wide fused down GEMM, rank 64"], built["wide fused down GEMM, rank 64, A once"]
+    assert once["shared_bytes"] <= again["shared_bytes"] - 2 * 64 * 128, (again, once)
+    pieces = 2 * (64 * 128 // 16 // 128)  # two K tiles of A
+    copies = "cp.async.cg.shared.global"
+    assert once["accesses"][copies] <= again["accesses"][copies] - 2 * pieces, (again, once)
 
 
 def test_the_k_loop_is_a_software_pipeline_where_six_k_tiles_unrolled_in_one_stage_are_none():
