@@ -270,8 +270,13 @@ def _moe_gemm_wide_kernel(
         slot, wanted, ranks_t, first, first_rank, last, last_rank = route_ok, route_ok, route_ok, 0, 0, 0, 0
     if A_ONCE:  # else each column tile's K steps copy them again (from L2), a pipeline stage each
         tl.static_assert(K_TILES == 2 and not K_LOOP, "A_ONCE holds two unrolled K tiles")
-        a0, s0 = _a_tile(a_ptrs, as_ptrs, route_ok, offs_k, 0, K, FP8, EVEN_K)
-        a1, s1 = _a_tile(a_ptrs + BLOCK_K * stride_ak, as_ptrs + stride_ask, route_ok, offs_k, BLOCK_K, K, FP8, EVEN_K)
+        a0 = _a_tile(a_ptrs, route_ok, offs_k, 0, K, EVEN_K)
+        a1 = _a_tile(a_ptrs + BLOCK_K * stride_ak, route_ok, offs_k, BLOCK_K, K, EVEN_K)
+        if FP8:
+            s0 = tl.load(as_ptrs, mask=route_ok, other=0.0)
+            s1 = tl.load(as_ptrs + stride_ask, mask=route_ok, other=0.0)
+        else:
+            s0, s1 = route_ok, route_ok  # unread
     else:
         a0, s0, a1, s1 = route_ok, route_ok, route_ok, route_ok  # unread
     # One column loop, the LoRA epilogue inside it (its B tiles per column tile; a block whose rows hold
@@ -279,18 +284,16 @@ def _moe_gemm_wide_kernel(
     # beats a loop split in two by that case and an epilogue in chunks of ranks.
     for j in range(N_TILES):
         _wide_tile(first_tile + j, routes, route_ok, expert, a_ptrs, as_ptrs, a0, s0, a1, s1, routed, offs_k, b_ptr,
-                   b_desc, c_ptr,
-                   b_scale_ptr, lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last, last_rank,
-                   num_slots, N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                   stride_se, stride_sn, stride_sk, stride_ll, stride_le, stride_ln, stride_lr, SCALE_BLOCK_N,
-                   BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA, RANK_GRANULE,
-                   EVEN_K, K_LOOP, LORA_AHEAD, A_ONCE)
+                   b_desc, c_ptr, b_scale_ptr, lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last,
+                   last_rank, num_slots, N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm,
+                   stride_cn, stride_se, stride_sn, stride_sk, stride_ll, stride_le, stride_ln, stride_lr,
+                   SCALE_BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA,
+                   RANK_GRANULE, EVEN_K, K_LOOP, LORA_AHEAD, A_ONCE)
 
 
 @triton.jit
 def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, a0, s0, a1, s1, routed, offs_k, b_ptr, b_desc, c_ptr,
-               b_scale_ptr,
-               lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last, last_rank, num_slots,
+               b_scale_ptr, lora_b_ptr, ranks_ptr, slot, wanted, ranks_t, first, first_rank, last, last_rank, num_slots,
                N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
                stride_sk, stride_ll, stride_le, stride_ln, stride_lr,
                SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -389,10 +392,7 @@ def _k_step_a(acc, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok, offs_k, ex
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_TMA: tl.constexpr,
               EVEN_K: tl.constexpr, ONE_SCALE: tl.constexpr):
     """:func:`_k_step`, and the A tile it loaded (zero past K and in rows of no route)."""
-    if EVEN_K:
-        a = tl.load(a_ptrs, mask=route_ok[:, None], other=0.0)
-    else:
-        a = tl.load(a_ptrs, mask=route_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+    a = _a_tile(a_ptrs, route_ok, offs_k, k0, K, EVEN_K)
     b = _b_tile(b_ptrs, b_desc, offs_k, expert, first_n, k0, K, BLOCK_N, BLOCK_K, B_TMA, EVEN_K)
     if FP8:
         acc = _scaled_dot(acc, a, b, tl.load(as_ptrs, mask=route_ok, other=0.0), s_ptrs, ONE_SCALE)
@@ -402,24 +402,20 @@ def _k_step_a(acc, a_ptrs, b_ptrs, b_desc, as_ptrs, s_ptrs, route_ok, offs_k, ex
 
 
 @triton.jit
-def _a_tile(a_ptrs, as_ptrs, route_ok, offs_k, k0, K, FP8: tl.constexpr, EVEN_K: tl.constexpr):
-    """The block's A tile from ``k0`` (zero past K and in rows of no route) and, with FP8, its row scales."""
+def _a_tile(a_ptrs, route_ok, offs_k, k0, K, EVEN_K: tl.constexpr):
+    """The block's A tile from ``k0``: zero past K and in rows of no route."""
     if EVEN_K:
         a = tl.load(a_ptrs, mask=route_ok[:, None], other=0.0)
     else:
         a = tl.load(a_ptrs, mask=route_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-    if FP8:
-        scale = tl.load(as_ptrs, mask=route_ok, other=0.0)
-    else:
-        scale = route_ok  # unread
-    return a, scale
+    return a
 
 
 @triton.jit
 def _k_step_given_a(acc, a, a_scale, b_ptrs, b_desc, s_ptrs, offs_k, expert, first_n, k0, K, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_TMA: tl.constexpr, EVEN_K: tl.constexpr,
                     ONE_SCALE: tl.constexpr):
-    """:func:`_k_step` with the A tile and its row scales already read (:func:`_a_tile`)."""
+    """:func:`_k_step` with the A tile (:func:`_a_tile`) and its row scales already read."""
     b = _b_tile(b_ptrs, b_desc, offs_k, expert, first_n, k0, K, BLOCK_N, BLOCK_K, B_TMA, EVEN_K)
     if FP8:
         acc = _scaled_dot(acc, a, b, a_scale, s_ptrs, ONE_SCALE)
