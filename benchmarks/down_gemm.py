@@ -40,6 +40,7 @@ import torch
 
 from benchmarks._bench import benchmark_parser, time_parts
 from benchmarks._lora_setup import add_base_option, add_rank_sets_option, lora_batch, parts_table, run_batches, sglang_route_list
+from sglang_lora_tma_guard import fused_lora
 
 TOKENS = [1024, 4096, 8192]
 WIDE = [(16, {}), (16, {"num_stages": 2}), (8, {"num_stages": 2}), (32, {"BLOCK_N": 64, "num_stages": 2}),
@@ -71,10 +72,12 @@ ONCE = [(16, {"num_stages": 2, "A_ONCE": 1}), (16, {"BLOCK_N": 64, "num_stages":
         (16, {"BLOCK_N": 64, "num_stages": 2, "LORA_AHEAD": 3, "A_ONCE": 1})]
 """Tiles of ``AHEAD`` reading the block's two A tiles once for all its column tiles (``A_ONCE``; two K tiles only:
 GLM-5.1 and DeepSeek-V3 at TP8), in the same sweep's rows, each checked bit for bit against its tile without."""
-ORDERED = WIDE[1:6] + [(16, {"BLOCK_N": 64, "num_stages": 2, "LORA_AHEAD": 3})] + K_LOOPS + NARROW
-"""The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks);
-one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared memory; 64-wide columns with the
-B tiles copied ahead, what it takes past rank 32 at two K tiles."""
+PLACED = [(n_tiles, change) for _, n_tiles, change in fused_lora.WIDE_TILES]
+"""The wide tiles ``fused_lora.wide_tile`` places at two K tiles, by max rank."""
+ORDERED = WIDE[1:6] + [placed for placed in PLACED if placed not in WIDE[1:6]] + K_LOOPS + NARROW
+"""The variants also timed over SGLang's own list, and over it ordered by adapter (what the fused launch walks),
+the placed ones among them; one stage is what ``fused_lora.wide_tile`` takes where two would not fit in shared
+memory."""
 SUMS = ("sglang", "hook", "quantize", "shrink", "order by adapter")
 """The parts the sums at the end need: always timed, whatever ``--parts`` says."""
 
