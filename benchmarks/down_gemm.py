@@ -82,6 +82,12 @@ SUMS = ("sglang", "hook", "quantize", "shrink", "order by adapter")
 """The parts the sums at the end need: always timed, whatever ``--parts`` says."""
 
 
+def _wants(wanted: str, part: str) -> bool:
+    """Whether ``--parts`` entry ``wanted`` names ``part``: a row whose name holds it, or with a leading ``=`` the
+    row of exactly that name (one kernel's launches only, for Nsight Compute)."""
+    return part == wanted[1:] if wanted.startswith("=") else wanted in part
+
+
 def label(n_tiles: int, change: dict) -> str:
     return ", ".join([f"N_TILES={n_tiles}", *(f"{k}={v}" for k, v in change.items())])
 
@@ -187,7 +193,7 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
            for n, c in SHUFFLED},
     }
     if wanted:
-        parts = {p: fn for p, fn in parts.items() if p in SUMS or any(w in p for w in wanted)}
+        parts = {p: fn for p, fn in parts.items() if p in SUMS or any(_wants(w, p) for w in wanted)}
     times = time_parts(capture_mode, parts)
 
     def output(n_tiles, change):  # the fused GEMM's output over SGLang's list ordered by adapter
@@ -240,7 +246,8 @@ def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, TOKENS)
     add_base_option(parser)
     add_rank_sets_option(parser)
-    parser.add_argument("--parts", nargs="+", help="time only the rows whose name holds one of these (and the sums' parts)")
+    parser.add_argument("--parts", nargs="+", help="time only the rows whose name holds one of these, or is one of "
+                        "those led by '=' (and the sums' parts)")
     args = parser.parse_args(argv)
     return run_batches(args, "down_gemm", functools.partial(measure, wanted=args.parts), markdown)
 

@@ -3,7 +3,7 @@
 # benchmarks/e2e/setup_there.sh: tune the fast LoRA MoE path's tiles, then benchmark it against SGLang's
 # default LoRA MoE path with those tiles; or each kernel of the fast path against its floor (kernels).
 # Results under ${OUT:-results}/.
-#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|act|place-act|tune-ab|race|launch|down|gate-up|thresholds] [extra arguments for the Python scripts]
+#   bash benchmarks/run_lora_moe_h200.sh [tune|bench|all|kernels|act|place-act|tune-ab|race|launch|down|gate-up|ncu|thresholds] [extra arguments for the Python scripts]
 # gate-up: benchmarks/gate_up_gemm.py (bf16 experts: SGLang's gate-up GEMM and the hook's shrink, against this
 # package's gate-up GEMM with the shrink in its K loop).
 # down: benchmarks/down_gemm.py (the down GEMM alone: SGLang's, this package's over tile variants, the down
@@ -83,6 +83,21 @@ fi
 if [ "$what" = down ]; then
   timeout "${BENCH_S:-280}" python3 -m benchmarks.down_gemm --out "$OUT" "$@" || echo "down_gemm stopped (exit $?)"
   python3 -m benchmarks.fused_policy "$OUT/down_gemm.json" | tee "$OUT/fused_policy.md"
+fi
+if [ "$what" = ncu ]; then
+  # Nsight Compute on the wide down GEMM (GLM-5.1 TP8 by default; arguments replace the batch): without LoRA, with it
+  # as placed past rank 32 (LORA_AHEAD=3), and reading its A tiles once; three launches each, in that order (two
+  # before the CUDA-graph capture, one replay), so the report's launches 1-3, 4-6, 7-9 (down_gemm's exact --parts); a
+  # batch's nine after the last's (NCU_COUNT=18 for two).
+  batch=(--shapes glm51-fp8-tp8 --rank-sets mixed --tokens 2048)
+  if [ $# -gt 0 ]; then batch=("$@"); fi
+  tile="N_TILES=16, BLOCK_N=64, num_stages=2"
+  ahead="B tiles ahead sweep, ordered: wide + LoRA, $tile, LORA_AHEAD=3"  # down_gemm.AHEAD_ROWS + the tile
+  timeout "${BENCH_S:-400}" ncu -k regex:_moe_gemm_wide_kernel -c "${NCU_COUNT:-9}" --section LaunchStats --section Occupancy \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section SourceCounters \
+    python3 -m benchmarks.down_gemm --out "$OUT/ncu" "${batch[@]}" --parts "=wide, $tile" "=$ahead" "=$ahead, A_ONCE=1" \
+    > "$OUT/ncu.txt" 2>&1 || echo "ncu stopped (exit $?)"
+  tail -n 5 "$OUT/ncu.txt"
 fi
 if [ "$what" = thresholds ]; then
   down=(--shapes glm51-fp8-tp8 --rank-sets r8 r16 r32 mixed r64 --tokens 1024 2048 4096 8192)

@@ -893,3 +893,14 @@ def test_an_h100s_floors_take_its_own_bandwidth_and_every_other_gpus_the_h200s(m
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
         speeds[name] = _lora_setup.hbm_bytes_per_s()
     assert speeds == {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H200": 4.3e12, "NVIDIA H100 PCIe": 4.3e12}
+
+
+def test_down_gemm_parts_name_rows_by_substring_or_exactly():
+    """``down_gemm --parts``: a row whose name holds an entry, or with ``=`` only the row so named (one variant's
+    launches, for Nsight Compute, where its A-once twin's name holds its own)."""
+    from benchmarks.down_gemm import AHEAD_ROWS, _wants
+
+    row = AHEAD_ROWS + "N_TILES=16, BLOCK_N=64, num_stages=2, LORA_AHEAD=3"
+    assert _wants("LORA_AHEAD=3", row) and _wants("LORA_AHEAD=3", row + ", A_ONCE=1")
+    assert _wants("=" + row, row) and not _wants("=" + row, row + ", A_ONCE=1")
+    assert not _wants("=LORA_AHEAD=3", row)
