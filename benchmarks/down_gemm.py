@@ -69,9 +69,18 @@ over SGLang's list ordered by adapter only, under their own name (``AHEAD_ROWS``
 AHEAD_ROWS = "B tiles ahead sweep, ordered: wide + LoRA, "
 ONCE = [(16, {"num_stages": 2, "A_ONCE": 1}), (16, {"BLOCK_N": 64, "num_stages": 2, "A_ONCE": 1}),
         (16, {"num_stages": 2, "LORA_AHEAD": 3, "A_ONCE": 1}),
-        (16, {"BLOCK_N": 64, "num_stages": 2, "LORA_AHEAD": 3, "A_ONCE": 1})]
+        (16, {"BLOCK_N": 64, "num_stages": 2, "LORA_AHEAD": 3, "A_ONCE": 1}),
+        (16, {"BLOCK_N": 64, "num_stages": 3, "LORA_AHEAD": 3, "A_ONCE": 1}),
+        (32, {"BLOCK_N": 32, "num_stages": 3, "LORA_AHEAD": 3, "A_ONCE": 1}),
+        (32, {"BLOCK_N": 32, "num_stages": 4, "LORA_AHEAD": 3, "A_ONCE": 1})]
 """Tiles of ``AHEAD`` reading the block's two A tiles once for all its column tiles (``A_ONCE``; two K tiles only:
-GLM-5.1 and DeepSeek-V3 at TP8), in the same sweep's rows, each checked bit for bit against its tile without."""
+GLM-5.1 and DeepSeek-V3 at TP8), in the same sweep's rows, each checked bit for bit against its tile without. With
+two stages Triton issues a column tile's copies after the tile before is stored and waits for them first thing:
+one tile in flight a program, none while it computes. Three or four stages keep the next tile's copies in flight
+through a tile's GEMMs; the shared memory the A tiles no longer take lets a 32-wide tile do so at two programs an SM
+(sm_90, rank 64: 86,016 bytes at three stages, 102,400 at four; the 64-wide tile 131,072, one program an SM)."""
+ONCE_PLAIN = [(16, {"BLOCK_N": 64, "num_stages": 3, "A_ONCE": 1}), (32, {"BLOCK_N": 32, "num_stages": 3, "A_ONCE": 1})]
+"""The wide GEMM without LoRA reading its A tiles once, pipelined (two K tiles only)."""
 PLACED = [(n_tiles, change) for _, n_tiles, change in fused_lora.WIDE_TILES]
 """The wide tiles ``fused_lora.wide_tile`` places at two K tiles, by max rank."""
 ORDERED = WIDE[1:6] + [placed for placed in PLACED if placed not in WIDE[1:6]] + K_LOOPS + NARROW
@@ -172,7 +181,8 @@ def measure(capture_mode, name, shape, ranks_name, tokens, weights, wanted=None)
         "quantize": lambda: moe_gemm.quantize_per_group(act, FP8_BLOCK[1])[0],
         "own": lambda: own(),
         "own, GROUP_M=8": lambda: own(GROUP_M=8),
-        **{f"wide, {label(n, c)}": (lambda n=n, c=c: own(n_tiles=n, **c)) for n, c in WIDE},
+        **{f"wide, {label(n, c)}": (lambda n=n, c=c: own(n_tiles=n, **c))
+           for n, c in WIDE + (ONCE_PLAIN if two_k_tiles else [])},
         "hook": lambda: lora_moe.add_delta(c3, act, da, db, routing, max_rank=r, halves=1, topk_weights=w,
                                            config=tiles.down),
         "shrink": lambda: lora_moe.shrink(act, da, routing, topk=topk, max_rank=r, halves=1, config=tiles.down),
