@@ -24,6 +24,9 @@ from collections import Counter
 
 ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.]*|\bcp\.async\.c[ag]\.shared\.global[\w.]*")
 
+WAIT = re.compile(r"ttg\.async_wait\b[^\n]*\{num = (\d+)")
+"""A wait for a software pipeline's copies (Triton's TTGIR), ``num``: the copy groups it leaves in flight."""
+
 _INT32 = ("sorted_ptr", "block_key_ptr", "rows_used_ptr")
 _NOT_ALIGNED = ("num_pairs",)  # a batch's pairs (the routing's views each start on 16 bytes: lora_moe._Scratch)
 
@@ -31,7 +34,8 @@ _NOT_ALIGNED = ("num_pairs",)  # a batch's pairs (the routing's views each start
 def compiled(kernel, *, types: dict[str, str], constexprs: dict, unit: tuple[str, ...] = (),
              num_warps: int = 4, num_stages: int = 2) -> dict:
     """``kernel`` compiled for sm_90: ``accesses`` (the count of each global access in its PTX),
-    ``registers`` a thread and ``shared_bytes`` a program. ``types``: Triton types of the pointer
+    ``registers`` a thread and ``shared_bytes`` a program, ``copies_left_in_flight`` (each wait for pipelined copies,
+    in program order: the copy groups it leaves in flight; 0 waits for every one). ``types``: Triton types of the pointer
     arguments other than bf16 ones; every other argument not in ``constexprs`` or ``unit`` (the strides
     of 1) is an int32 size."""
     import triton
@@ -53,7 +57,7 @@ def compiled(kernel, *, types: dict[str, str], constexprs: dict, unit: tuple[str
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = done.asm["ptx"]
     return {"accesses": dict(Counter(ACCESS.findall(ptx))), "registers": _registers(ptx),
-            "shared_bytes": done.metadata.shared}
+            "shared_bytes": done.metadata.shared, "copies_left_in_flight": [int(n) for n in WAIT.findall(done.asm["ttgir"])]}
 
 
 def _registers(ptx: str) -> int:
@@ -218,6 +222,9 @@ CONFIGURATIONS = {
     "wide fused down GEMM, rank 32, B tiles pipelined": lambda: wide_down(BLOCK_R=32, LORA_AHEAD=3),
     # The block's two A tiles read once for all its column tiles (A_ONCE; benchmarks/down_gemm.py's sweep, not placed).
     "wide fused down GEMM, rank 64, A once": lambda: wide_down(BLOCK_N=64, N_TILES=16, BLOCK_R=64, LORA_AHEAD=3, A_ONCE=1),
+    # and three stages, 32-wide columns (benchmarks/down_gemm.py's ONCE rows): copies in flight while a tile computes.
+    "wide fused down GEMM, rank 64, A once, three stages": lambda: wide_down(
+        BLOCK_N=32, N_TILES=32, BLOCK_R=64, LORA_AHEAD=3, A_ONCE=1, num_stages=3),
     "wide fused down GEMM, K loop": lambda: wide_down(K_TILES=6, K_LOOP=1, num_stages=3),  # Qwen3-30B-A3B tp1's K
     "wide fused down GEMM, K unrolled in one stage": lambda: wide_down(K_TILES=6, num_stages=1),  # as placed before
     # As placed on an H100/H200 for SGLang's block-fp8 down GEMMs: GLM-5.1 TP8 (K 256), Qwen3-30B-A3B at tp 1, 2, 4

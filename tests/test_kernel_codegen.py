@@ -27,6 +27,7 @@ VECTOR = ("expand, one rank tile", "expand, rank tiles of 16", "shrink", "one ke
           "wide fused down GEMM, rank 16", "wide fused down GEMM, rank 64", "wide fused down GEMM, K loop",
           "wide fused down GEMM, rank 32, B tiles ahead", "wide fused down GEMM, rank 64, B tiles ahead",
           "wide fused down GEMM, rank 32, B tiles pipelined", "wide fused down GEMM, rank 64, A once",
+          "wide fused down GEMM, rank 64, A once, three stages",
           "expand and activation", "expand and activation, block by block, rows a tile ahead")
 CONTROLS = ("expand, one rank tile, exact rank masks", "expand, rank tiles of 16, exact rank masks",
             "fused down GEMM, exact rank masks")
@@ -94,6 +95,26 @@ def test_a_tiles_read_once_leave_the_column_loops_pipeline():
     pieces = 2 * (64 * 128 // 16 // 128)  # two K tiles of A
     copies = "cp.async.cg.shared.global"
     assert once["accesses"][copies] <= again["accesses"][copies] - 2 * pieces, (again, once)
+
+
+def test_two_stages_keep_no_copy_in_flight_while_a_column_tile_computes_three_do_at_two_programs_an_sm():
+    """The wide kernel's column loop at two stages (the rank-64 tile as placed): Triton issues a column tile's copies
+    after the tile before is stored and waits for every one of them first thing in the next (``async_wait`` leaving
+    0 groups), so a program has nothing in flight while it computes; only the SM's other program hides the latency.
+    At three stages the wait leaves the next tile's copy groups in flight; reading its A tiles once (``A_ONCE``),
+    the 32-wide tile does so within half a Hopper SM's shared memory, its registers within half the SM's (two
+    programs an SM, as the tile placed)."""
+    from harness.ptx import HOPPER_SHARED_BYTES
+
+    names = ["wide fused down GEMM, rank 64", "wide fused down GEMM, rank 64, A once, three stages"]
+    built = compile_sm90(names)
+    placed, three = built[names[0]], built[names[1]]
+    assert placed["copies_left_in_flight"][0] == 0 and max(placed["copies_left_in_flight"][:-1]) == 0, placed
+    assert three["copies_left_in_flight"][0] > 0, three  # the loop's wait; the last, after it, drains
+    reserved = 1024  # a program's shared memory the driver keeps (sm_90)
+    for tile in (placed, three):
+        assert tile["shared_bytes"] + reserved <= (HOPPER_SHARED_BYTES + reserved) // 2, tile
+        assert tile["registers"] * 128 * 2 <= 65536, tile
 
 
 def test_the_k_loop_is_a_software_pipeline_where_six_k_tiles_unrolled_in_one_stage_are_none():
