@@ -227,6 +227,7 @@ def _moe_gemm_wide_kernel(
     LORA_AHEAD: tl.constexpr = 0,  # 1: a column tile's B tiles loaded before its K steps; 3: and their GEMMs
     # unconditional, so that Triton pipelines them with the column loop
     A_ONCE: tl.constexpr = 0,  # 1 (two K tiles, unrolled): the block's A tiles read once for all its column tiles
+    RANKS_IN_GRANULES: tl.constexpr = 0,  # 1: every adapter's rank a multiple of RANK_GRANULE (_lora_b_tile)
 ):
     """``_moe_gemm_kernel``'s GEMM for a short K (a down GEMM: K is one shard's intermediate width), one block
     of routes against ``N_TILES`` column tiles; grid (blocks, column-tile groups). With K of a few tiles a
@@ -288,7 +289,7 @@ def _moe_gemm_wide_kernel(
                    last_rank, num_slots, N, K, stride_ak, stride_ask, stride_be, stride_bn, stride_bk, stride_cm,
                    stride_cn, stride_se, stride_sn, stride_sk, stride_ll, stride_le, stride_ln, stride_lr,
                    SCALE_BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, FP8, MUL_ROUTED_WEIGHT, LORA, B_TMA,
-                   RANK_GRANULE, EVEN_K, K_LOOP, LORA_AHEAD, A_ONCE)
+                   RANK_GRANULE, EVEN_K, K_LOOP, LORA_AHEAD, A_ONCE, RANKS_IN_GRANULES)
 
 
 @triton.jit
@@ -299,7 +300,7 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, a0, s0, a1, s1, 
                SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, FP8: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
                LORA: tl.constexpr, B_TMA: tl.constexpr, RANK_GRANULE: tl.constexpr, EVEN_K: tl.constexpr,
-               K_LOOP: tl.constexpr, LORA_AHEAD: tl.constexpr, A_ONCE: tl.constexpr):
+               K_LOOP: tl.constexpr, LORA_AHEAD: tl.constexpr, A_ONCE: tl.constexpr, RANKS_IN_GRANULES: tl.constexpr):
     """Output tile ``tile`` of :func:`_moe_gemm_wide_kernel`'s block, computed and stored. The same K steps in
     the same order either way: unrolled (``K_LOOP`` 0; the column loop is then the one Triton pipelines, each stage
     holding every K tile) or a loop (the one pipelined, a stage one K tile). With ``LORA_AHEAD`` the epilogue's B tiles
@@ -317,7 +318,8 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, a0, s0, a1, s1, 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if LORA and LORA_AHEAD:
         first_b, last_b = _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok,
-                                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+                                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE,
+                                          RANKS_IN_GRANULES)
     if K_LOOP:
         for kt in range(K_TILES):
             acc = _k_step(acc, a_ptrs + kt * BLOCK_K * stride_ak, b_ptrs + kt * BLOCK_K * stride_bk, b_desc,
@@ -345,7 +347,7 @@ def _wide_tile(tile, routes, route_ok, expert, a_ptrs, as_ptrs, a0, s0, a1, s1, 
     elif LORA:
         acc = _lora_add_late(acc, slot, wanted, ranks_t, first, first_rank, last, last_rank, expert, offs_n, n_ok,
                              lora_b_ptr, ranks_ptr, num_slots, stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R,
-                             RANK_GRANULE)
+                             RANK_GRANULE, RANKS_IN_GRANULES)
     if MUL_ROUTED_WEIGHT:
         acc *= routed[:, None]
     tl.store(c_ptr + routes[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
@@ -518,24 +520,29 @@ def _scaled_dot(acc, a, b, a_scale, s_ptrs, ONE_SCALE: tl.constexpr):
 
 @triton.jit
 def _lora_b_tile(lora_b_ptr, adapter, rank, expert, offs_n, n_ok, stride_ll, stride_le, stride_ln, stride_lr,
-                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
+                 BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr, IN_GRANULES: tl.constexpr = 0):
     """Adapter ``adapter``'s B tile (its ranks x the tile's columns), zero from its ``rank`` on; ranks all past
-    ``rank`` read nothing."""
+    ``rank`` read nothing. ``IN_GRANULES``: the caller knows ``rank`` a multiple of ``RANK_GRANULE``, so the load's
+    mask is already the rank's and the tile is the load as it lands (in shared memory, where a GEMM takes it; the
+    ``tl.where`` would take it through registers and back)."""
     offs_r = tl.arange(0, BLOCK_R)
     b = tl.load(_lora_b_base(lora_b_ptr, adapter, expert, stride_ll, stride_le) + offs_n[None, :] * stride_ln
                 + offs_r[:, None] * stride_lr,
                 mask=(offs_r[:, None] < _granule(rank, RANK_GRANULE)) & n_ok[None, :], other=0.0)
+    if IN_GRANULES:
+        return b
     return tl.where(offs_r[:, None] < rank, b, 0.0)
 
 
 @triton.jit
 def _lora_end_tiles(lora_b_ptr, first, first_rank, last, last_rank, expert, offs_n, n_ok, stride_ll, stride_le,
-                    stride_ln, stride_lr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr):
+                    stride_ln, stride_lr, BLOCK_R: tl.constexpr, RANK_GRANULE: tl.constexpr,
+                    IN_GRANULES: tl.constexpr = 0):
     """The B tiles of a block's lowest and highest adapter (:func:`_lora_slots`); one of rank 0 reads nothing."""
     first_b = _lora_b_tile(lora_b_ptr, tl.where(first_rank > 0, first, 0), first_rank, expert, offs_n, n_ok,
-                           stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+                           stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE, IN_GRANULES)
     last_b = _lora_b_tile(lora_b_ptr, tl.where(last_rank > 0, last, 0), last_rank, expert, offs_n, n_ok,
-                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE)
+                          stride_ll, stride_le, stride_ln, stride_lr, BLOCK_R, RANK_GRANULE, IN_GRANULES)
     return first_b, last_b
 
 
@@ -618,7 +625,7 @@ def _lora_add_always(acc, slot, wanted, t, first, first_b, last, last_b, expert,
 @triton.jit
 def _lora_add_late(acc, slot, wanted, t, first, first_rank, last, last_rank, expert, offs_n, n_ok, b_ptr, ranks_ptr,
                    num_slots, stride_bl, stride_be, stride_bn, stride_br, BLOCK_R: tl.constexpr,
-                   RANK_GRANULE: tl.constexpr):
+                   RANK_GRANULE: tl.constexpr, IN_GRANULES: tl.constexpr = 0):
     """:func:`_lora_add` with each B tile loaded just before its GEMM (the wide kernel's epilogue): the same GEMMs
     in the same order, but the highest adapter's tile is not live across the lowest adapter's GEMM. With both
     live the wide kernel sat at 250-255 registers a thread on sm_90 and spilled past rank 16; loaded late, rank
@@ -627,11 +634,11 @@ def _lora_add_late(acc, slot, wanted, t, first, first_rank, last, last_rank, exp
     its K loop is long enough to hide their loads."""
     if first < num_slots:  # a row with a delta
         b = _lora_b_tile(b_ptr, first, first_rank, expert, offs_n, n_ok, stride_bl, stride_be, stride_bn, stride_br,
-                         BLOCK_R, RANK_GRANULE)
+                         BLOCK_R, RANK_GRANULE, IN_GRANULES)
         acc += tl.dot(tl.where((wanted & (slot == first))[:, None], t, tl.zeros_like(t)), b)
     if last > first:
         b = _lora_b_tile(b_ptr, last, last_rank, expert, offs_n, n_ok, stride_bl, stride_be, stride_bn, stride_br,
-                         BLOCK_R, RANK_GRANULE)
+                         BLOCK_R, RANK_GRANULE, IN_GRANULES)
         acc += tl.dot(tl.where((wanted & (slot == last))[:, None], t, tl.zeros_like(t)), b)
         if last > first + 1:
             acc = _lora_rest(acc, slot, wanted, t, first, last, expert, offs_n, n_ok, b_ptr, ranks_ptr,

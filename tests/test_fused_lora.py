@@ -30,7 +30,7 @@ TOKENS, TOPK, EXPERTS, LORA_EXPERTS = 13, 3, 6, 5  # expert 5: a fused shared ex
 RANKS, ENABLED, MAX_RANK = (5, 0, 20, 16, 32), (1, 1, 1, 0, 1), 32
 
 
-def make(n: int, k: int, fp8: bool, shared_outer: bool, seed: int = 0):
+def make(n: int, k: int, fp8: bool, shared_outer: bool, seed: int = 0, ranks=RANKS):
     gen = torch.Generator().manual_seed(seed)
     topk_ids = torch.randint(0, EXPERTS, (TOKENS, TOPK), generator=gen, dtype=torch.int32)
     topk_ids[::4, 1] = -1  # filtered out
@@ -45,8 +45,8 @@ def make(n: int, k: int, fp8: bool, shared_outer: bool, seed: int = 0):
     lora_b = torch.randn(len(RANKS), 1 if shared_outer else LORA_EXPERTS, n, MAX_RANK, generator=gen) / 4
     for route in range(TOKENS * TOPK):
         slot = int(token_lora[route // TOPK])
-        t[route, RANKS[slot] if slot >= 0 else 0:] = float("nan")
-    for slot, rank in enumerate(RANKS):
+        t[route, ranks[slot] if slot >= 0 else 0:] = float("nan")
+    for slot, rank in enumerate(ranks):
         lora_b[slot, :, :, rank:] = float("nan")
     weights = torch.rand(TOKENS, TOPK, generator=gen)
     if fp8:
@@ -58,36 +58,38 @@ def make(n: int, k: int, fp8: bool, shared_outer: bool, seed: int = 0):
         w_q, w_scale, a_q, a_scale = w.half(), None, a, None
         w_full, a_full = w.half().float(), a.float()
     lora = moe_gemm.LoRAEpilogue(t, lora_b.half(), token_lora, torch.tensor(ENABLED, dtype=torch.int32),
-                                 torch.tensor(RANKS, dtype=torch.int32), LORA_EXPERTS, MAX_RANK)
+                                 torch.tensor(ranks, dtype=torch.int32), LORA_EXPERTS, MAX_RANK)
     inputs = dict(a=a_q, a_scale=a_scale, w=w_q, w_scale=w_scale, weights=weights, topk_ids=topk_ids, lora=lora)
-    return inputs, reference(a_full, w_full, t, lora_b.half().float(), token_lora, topk_ids, weights)
+    return inputs, reference(a_full, w_full, t, lora_b.half().float(), token_lora, topk_ids, weights, ranks)
 
 
-def reference(a, w, t, lora_b, token_lora, topk_ids, weights):
+def reference(a, w, t, lora_b, token_lora, topk_ids, weights, ranks=RANKS):
     out = torch.zeros(TOKENS * TOPK, w.shape[1])
     for route, expert in enumerate(topk_ids.reshape(-1).tolist()):
         if expert < 0:
             continue
         row = w[expert] @ a[route]
         slot = int(token_lora[route // TOPK])
-        if slot >= 0 and ENABLED[slot] and RANKS[slot] and expert < LORA_EXPERTS:
-            b = lora_b[slot, min(expert, lora_b.shape[1] - 1), :, :RANKS[slot]]
-            row = row + b @ t[route, :RANKS[slot]].half().float()
+        if slot >= 0 and ENABLED[slot] and ranks[slot] and expert < LORA_EXPERTS:
+            b = lora_b[slot, min(expert, lora_b.shape[1] - 1), :, :ranks[slot]]
+            row = row + b @ t[route, :ranks[slot]].half().float()
         out[route] = row * weights.reshape(-1)[route]
     return out
 
 
 def run(inputs, n: int, block_m: int, block_n: int, block_k: int, fp8: bool, tma: bool = False, n_tiles: int = 0,
-        order=None, k_loop: int = 0, lora_ahead: int = 0, a_once: int = 0):
+        order=None, k_loop: int = 0, lora_ahead: int = 0, a_once: int = 0, in_granules: int = 0):
     """The GEMM over SGLang's route list, one column tile a program or (the wide kernel) ``n_tiles``, its K steps
     unrolled or (``k_loop``) a loop, its B tiles loaded before them with ``lora_ahead``, its A tiles read once for all
-    its column tiles with ``a_once``; ``order``: a change to the list first."""
+    its column tiles with ``a_once``, its B tiles as loaded with ``in_granules``; ``order``: a change to the list
+    first."""
     sorted_ids, expert_ids, post_padded = align_block_size(inputs["topk_ids"], block_m, EXPERTS)
     if order is not None:
         sorted_ids, expert_ids, post_padded = order((sorted_ids, expert_ids, post_padded), block_m)
     out = torch.full((TOKENS * TOPK, n), float("nan"), dtype=torch.float16)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if fp8 else block_k, GROUP_M=2, num_warps=4,
-                num_stages=2, **({"K_LOOP": k_loop, "LORA_AHEAD": lora_ahead, "A_ONCE": a_once} if n_tiles else {}))
+                num_stages=2, **({"K_LOOP": k_loop, "LORA_AHEAD": lora_ahead, "A_ONCE": a_once,
+                                  "RANKS_IN_GRANULES": in_granules} if n_tiles else {}))
     moe_gemm.moe_gemm(inputs["a"], inputs["w"], out, a_scale=inputs["a_scale"], w_scale=inputs["w_scale"], bias=None,
                       topk_weights=inputs["weights"].reshape(-1), sorted_ids=sorted_ids, expert_ids=expert_ids,
                       num_post_padded=post_padded, routes_per_a_row=1, mul_routed_weight=True, tile=tile,
@@ -160,6 +162,26 @@ def test_the_wide_gemm_reading_its_a_tiles_once_gives_its_output_bit_for_bit(fp8
         assert not once.isnan().any()
         assert torch.equal(once, again), lora_ahead
         assert float((once.float() - expected).abs().max() / expected.abs().max()) < TOLERANCE
+
+
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fp16", "block-fp8"])
+def test_b_tiles_as_loaded_are_the_masked_ones_bit_for_bit_where_every_rank_fills_its_granules(fp8):
+    """``RANKS_IN_GRANULES``: where every adapter's rank is a multiple of the rank granule (8 here: max rank 32), the
+    B tile's load mask is its rank mask, so the tile as loaded is the tile the ``tl.where`` past the rank gives, NaN
+    past every rank in the buffers: the same output to the bit (B tiles behind, ahead, pipelined, the A tiles once).
+    With ranks 5 and 20 the buffers' NaN past them, in the granule, reaches the output: the switch is the caller's
+    promise, not a mask."""
+    n, k = (200, 56) if not fp8 else (72, 200)
+    inputs, expected = make(n, k, fp8, False, ranks=(8, 0, 24, 16, 32))
+    for lora_ahead, a_once in ((0, 0), (1, 0), (3, 0), (3, 1)):
+        masked = run(inputs, n, 16, 32, 32, fp8, n_tiles=3, lora_ahead=lora_ahead, a_once=a_once)
+        loaded = run(inputs, n, 16, 32, 32, fp8, n_tiles=3, lora_ahead=lora_ahead, a_once=a_once, in_granules=1)
+        assert not loaded.isnan().any()
+        assert torch.equal(loaded, masked), (lora_ahead, a_once)
+        assert float((loaded.float() - expected).abs().max() / expected.abs().max()) < TOLERANCE
+    odd = make(n, k, fp8, False)[0]
+    assert run(odd, n, 16, 32, 32, fp8, n_tiles=3, lora_ahead=3, in_granules=1).isnan().any()
+    assert not run(odd, n, 16, 32, 32, fp8, n_tiles=3, lora_ahead=3).isnan().any()
 
 
 def order_by_adapter(route_list, block_m: int, token_lora):
