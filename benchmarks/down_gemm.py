@@ -86,7 +86,7 @@ GRANULES = [(16, {"BLOCK_N": 64, "num_stages": 2, "LORA_AHEAD": 3, "A_ONCE": 1, 
 """Tiles whose B tiles skip the ``tl.where`` past each rank (``RANKS_IN_GRANULES``: every adapter's rank a multiple
 of the rank granule, as in every rank set here, so the load's mask is the rank's): a B tile copied ahead then goes
 from its copy to the GEMM, not through registers and back, and the column loop sheds a third of its instructions
-(sm_90, rank 64, 64 wide, A once: 179 registers a thread against 238 as placed, two programs an SM). Each checked bit
+(sm_90, Triton 3.6, rank 64, 64 wide, A once: 179 registers a thread against 238 as placed, two programs an SM). Each checked bit
 for bit against its tile without; the 3-stage and 32-wide ones fit two programs an SM up to rank 32 and at rank 64."""
 ONCE_PLAIN = [(16, {"BLOCK_N": 64, "num_stages": 3, "A_ONCE": 1}), (32, {"BLOCK_N": 32, "num_stages": 3, "A_ONCE": 1})]
 """The wide GEMM without LoRA reading its A tiles once, pipelined (two K tiles only)."""

@@ -225,6 +225,9 @@ CONFIGURATIONS = {
     # and three stages, 32-wide columns (benchmarks/down_gemm.py's ONCE rows): copies in flight while a tile computes.
     "wide fused down GEMM, rank 64, A once, three stages": lambda: wide_down(
         BLOCK_N=32, N_TILES=32, BLOCK_R=64, LORA_AHEAD=3, A_ONCE=1, num_stages=3),
+    # and its B tiles as loaded (RANKS_IN_GRANULES: every rank a multiple of the granule; not placed).
+    "wide fused down GEMM, rank 64, A once, B tiles as loaded": lambda: wide_down(
+        BLOCK_N=64, N_TILES=16, BLOCK_R=64, LORA_AHEAD=3, A_ONCE=1, RANKS_IN_GRANULES=1),
     "wide fused down GEMM, K loop": lambda: wide_down(K_TILES=6, K_LOOP=1, num_stages=3),  # Qwen3-30B-A3B tp1's K
     "wide fused down GEMM, K unrolled in one stage": lambda: wide_down(K_TILES=6, num_stages=1),  # as placed before
     # As placed on an H100/H200 for SGLang's block-fp8 down GEMMs: GLM-5.1 TP8 (K 256), Qwen3-30B-A3B at tp 1, 2, 4
