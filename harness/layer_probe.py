@@ -184,6 +184,30 @@ def stale_expert_slot(cpu, guarded: bool) -> dict:
             "z_rel_error": _forward_error(cpu, manager, moe, z, 2.0, 4)}
 
 
+def _tail_max(manager, slot: int, rank: int) -> dict:
+    """The largest |value| past ``rank`` in one pool slot's MoE B buffers (their last axis holds the ranks), every
+    layer: what a B tile loaded in runs of ranks (``moe_gemm``'s rank granule) reads beside the adapter's own."""
+    pool = manager.memory_pool
+    return {module: round(max(float(t[slot][..., rank:].abs().max()) for t in pool.B_buffer[module] if t is not None), 4)
+            for module in ("gate_up_proj_moe", "down_proj_moe")}
+
+
+def rank_tails(cpu, guarded: bool) -> dict:
+    """X (rank 8, every projection) into slot 1 by SGLang's loader, then W (rank 4) into the same slot: slot 1's MoE
+    B buffers past rank 4 after each. The fused down GEMM's B tiles used as loaded (``RANKS_IN_GRANULES``, not
+    placed) would read them for a rank that is no multiple of 8; zero after W is the promise they would need."""
+    _guard_adapters(guarded)
+    tmp = _scratch()
+    cpu.write_adapter(Path(tmp, "x"), rank=8, **SIZES)
+    cpu.write_adapter(Path(tmp, "w"), rank=4, seed=5, **SIZES)
+    manager, refs, _ = cpu.real_manager({"x": Path(tmp, "x"), "w": Path(tmp, "w")})
+    cpu.fill_slot(manager, 0, None, refs)
+    cpu.fill_slot(manager, 1, "x", refs)
+    after_x = _tail_max(manager, 1, 4)
+    cpu.fill_slot(manager, 1, "w", refs)
+    return {"after_x": after_x, "after_w": _tail_max(manager, 1, 4)}
+
+
 def rslora_scaling(cpu, guarded: bool) -> dict:
     _guard_adapters(guarded)
     tmp = _scratch()
@@ -316,14 +340,14 @@ CASES = {"inplace": inplace, "gate_up_layout": gate_up_layout, "router_weight_on
          "stale_expert_slot": stale_expert_slot, "rslora_scaling": rslora_scaling, "lora_patterns": lora_patterns,
          "up_proj_only_experts": up_proj_only_experts, "peft_target_parameters": peft_target_parameters,
          "one_sided_expert_targets": one_sided_expert_targets, "shared_outer_at_runtime": shared_outer_at_runtime,
-         "mixtral_target_names": mixtral_target_names}
+         "mixtral_target_names": mixtral_target_names, "rank_tails": rank_tails}
 SKIP = {"gate_up_layout": minimax_unsupported}
 """Why a case cannot be built on this release (None: it can)."""
 DEFECTS = {"inplace": "inplace_race", "gate_up_layout": "gate_up_layout", "router_weight_on_input": "router_weight_on_input",
            "stale_expert_slot": "stale_expert_slot", "rslora_scaling": "rslora_scaling", "lora_patterns": "lora_patterns",
            "up_proj_only_experts": "up_proj_only_experts", "peft_target_parameters": "peft_target_parameters",
            "one_sided_expert_targets": "one_sided_expert_targets", "shared_outer_at_runtime": "shared_outer_runtime",
-           "mixtral_target_names": "mixtral_target_names"}
+           "mixtral_target_names": "mixtral_target_names", "rank_tails": "stale_expert_slot"}
 """The guard's defect module of each case: what it reads in this release's code is reported with the case."""
 
 

@@ -165,6 +165,11 @@ def test_each_releases_own_lora_manager_loader_and_pool_take_the_adapters_right_
     assert stale["guarded"]["down_after_z"] == {"A": 0.0, "B": 0.0} and stale["guarded"]["z_rel_error"] < RIGHT
     rs = found["rslora_scaling"]
     assert rs["unguarded"]["rel_error"] > WRONG and rs["guarded"]["rel_error"] < RIGHT
+    # A slot's MoE B past the rank of the adapter now in it: zero on every release, with or without the guard (what
+    # the fused down GEMM's B tiles used as loaded would rely on); the larger adapter before it had ranks there.
+    for side in ("unguarded", "guarded"):
+        tails = found["rank_tails"][side]
+        assert min(tails["after_x"].values()) > 0 and set(tails["after_w"].values()) == {0.0}, (side, tails)
     patterns = found["lora_patterns"]
     assert patterns["unguarded"]["patterns"]["fill"]["raised"] == "AssertionError"
     assert patterns["guarded"]["patterns"]["rel_error"] < RIGHT
